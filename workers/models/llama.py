@@ -1,0 +1,148 @@
+"""Llama-family decoder (Llama 2/3, SmolLM2, Qwen2, Mistral without sliding window) in PyTorch.
+
+Written for serving: tokens of several sequences are processed as ``[B, T]`` with explicit
+positions, an explicit attention mask and explicit KV-cache slots, so the same forward serves
+prefill, plain decoding and ReDrafter tree verification (tree attention mask, depth-based
+positions). Q/K/V and gate/up projections are fused (as in vLLM and nano-vllm); the loader maps
+Hugging Face parameter names onto them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from workers.kv_cache import AttentionMetadata, KVCache
+from workers.models.config import LlamaConfig
+from workers.models.rope import RotaryEmbedding
+
+
+class RMSNorm(torch.nn.Module):
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class Attention(torch.nn.Module):
+    """Grouped-query attention over the KV cache."""
+
+    def __init__(self, cfg: LlamaConfig, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.n_heads = cfg.num_attention_heads
+        self.n_kv = cfg.num_key_value_heads
+        self.head_dim = cfg.head_size
+        out = (self.n_heads + 2 * self.n_kv) * self.head_dim
+        self.qkv_proj = torch.nn.Linear(cfg.hidden_size, out, bias=cfg.attention_bias)
+        self.o_proj = torch.nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=False)
+
+    def forward(self, x, positions, rope, cache: KVCache, meta: AttentionMetadata):
+        B, T, _ = x.shape
+        qkv = self.qkv_proj(x)
+        q_size, kv_size = self.n_heads * self.head_dim, self.n_kv * self.head_dim
+        q = qkv[..., :q_size].view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+        k = qkv[..., q_size : q_size + kv_size].view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+        v = qkv[..., q_size + kv_size :].view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+        q, k = rope(positions, q, k)
+        cache.write(self.layer, meta.rows, meta.slots, k, v)
+        keys, values = cache.read(self.layer, meta.row_ids, meta.kv_len)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=meta.mask, enable_gqa=True)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(torch.nn.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.inter = cfg.intermediate_size
+        self.gate_up_proj = torch.nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = torch.nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        gate_up = self.gate_up_proj(x)
+        return self.down_proj(F.silu(gate_up[..., : self.inter]) * gate_up[..., self.inter :])
+
+
+class DecoderLayer(torch.nn.Module):
+    def __init__(self, cfg: LlamaConfig, layer: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, positions, rope, cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), positions, rope, cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(torch.nn.Module):
+    """Decoder stack. ``forward`` returns post-final-norm hidden states ``[B, T, hidden_size]``."""
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = torch.nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = torch.nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = RotaryEmbedding(
+            cfg.head_size, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Run the decoder on new tokens.
+
+        Args:
+            input_ids: ``[B, T] long``.
+            positions: ``[B, T] long`` RoPE positions (tree depth + prefix length for draft trees).
+            cache: KV cache; new keys/values are written at ``(meta.rows, meta.slots)`` before
+                attention reads ``meta.kv_len`` leading slots of rows ``meta.row_ids`` under
+                ``meta.mask``.
+
+        Returns:
+            hidden: ``[B, T, hidden_size]`` after the final RMSNorm.
+        """
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x, positions, self.rotary, cache, meta)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(torch.nn.Module):
+    """Decoder plus LM head (tied to the input embedding when ``tie_word_embeddings``)."""
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg)
+        self.lm_head = torch.nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, *args, **kwargs) -> torch.Tensor:
+        """Hidden states, see :meth:`LlamaModel.forward`; apply :meth:`logits` to the rows needed."""
+        return self.model(*args, **kwargs)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[..., hidden_size] -> [..., vocab_size] float32``."""
+        return self.lm_head(hidden).float()
+
+    def new_cache(self, batch: int, max_len: int) -> KVCache:
+        cfg = self.config
+        p = self.lm_head.weight
+        return KVCache(
+            cfg.num_hidden_layers, batch, cfg.num_key_value_heads, max_len, cfg.head_size, p.dtype, p.device
+        )

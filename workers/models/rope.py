@@ -1,0 +1,61 @@
+"""Rotary position embedding (RoFormer, arXiv 2104.09864) with Hugging Face ``rope_scaling`` types."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def inv_frequencies(head_dim: int, rope_theta: float, rope_scaling: dict | None) -> torch.Tensor:
+    """Inverse frequencies ``[head_dim // 2] float32``.
+
+    Supports ``rope_scaling`` of type ``linear`` and ``llama3`` (as in transformers'
+    ``ROPE_INIT_FUNCTIONS``) and none; ``dynamic``/``yarn`` raise ``ValueError``.
+    """
+    # float32 as in transformers, so that parity holds at long positions
+    inv = 1.0 / (rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if not rope_scaling:
+        return inv.float()
+    kind = rope_scaling.get("rope_type", rope_scaling.get("type"))
+    if kind in (None, "default"):
+        return inv.float()
+    if kind == "linear":
+        return (inv / rope_scaling["factor"]).float()
+    if kind == "llama3":
+        factor = rope_scaling["factor"]
+        low = rope_scaling.get("low_freq_factor", 1.0)
+        high = rope_scaling.get("high_freq_factor", 4.0)
+        old_ctx = rope_scaling["original_max_position_embeddings"]
+        low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(medium, smoothed, scaled).float()
+    raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: linear, llama3)")
+
+
+class RotaryEmbedding(torch.nn.Module):
+    """Precomputed cos/sin tables; ``forward`` rotates q and k at given positions."""
+
+    def __init__(self, head_dim: int, max_positions: int, rope_theta: float, rope_scaling: dict | None):
+        super().__init__()
+        inv = inv_frequencies(head_dim, rope_theta, rope_scaling)
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """positions ``[B, T]``; q ``[B, n_heads, T, D]``; k ``[B, n_kv_heads, T, D]``."""
+        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
+        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
