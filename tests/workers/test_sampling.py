@@ -1,0 +1,87 @@
+import math
+
+import pytest
+import torch
+
+from workers.sampling import SamplingParams, adjusted_probs, make_generator, sample
+
+
+def _softmax(values: list[float]) -> list[float]:
+    exps = [math.exp(v) for v in values]
+    return [e / sum(exps) for e in exps]
+
+
+def test_greedy_is_one_hot_at_lowest_argmax():
+    logits = torch.tensor([[0.0, 3.0, 3.0, 1.0], [5.0, -1.0, 2.0, 5.0]])
+    probs = adjusted_probs(logits, SamplingParams(temperature=0.0))
+    assert probs.dtype == torch.float32
+    assert torch.equal(probs, torch.tensor([[0.0, 1.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0]]))
+
+
+def test_temperature_scales_logits():
+    logits = [1.0, 2.0, 0.5, -1.0]
+    probs = adjusted_probs(torch.tensor([logits]), SamplingParams(temperature=0.5))
+    expected = _softmax([v / 0.5 for v in logits])
+    assert probs[0].tolist() == pytest.approx(expected, abs=1e-6)
+
+
+def test_top_k_keeps_k_largest():
+    logits = [1.0, 4.0, 2.0, 3.0, 0.0]
+    probs = adjusted_probs(torch.tensor([logits]), SamplingParams(temperature=1.0, top_k=2))
+    kept = _softmax([4.0, 3.0])
+    assert probs[0].tolist() == pytest.approx([0.0, kept[0], 0.0, kept[1], 0.0], abs=1e-6)
+
+
+def test_top_k_ties_keep_lowest_ids():
+    probs = adjusted_probs(torch.tensor([[1.0, 2.0, 2.0, 2.0]]), SamplingParams(temperature=1.0, top_k=2))
+    assert probs[0].tolist() == pytest.approx([0.0, 0.5, 0.5, 0.0], abs=1e-6)
+
+
+def test_top_p_keeps_smallest_nucleus():
+    probs_in = torch.tensor([[0.1, 0.5, 0.15, 0.25]])
+    logits = probs_in.log()
+    # Sorted: 0.5, 0.25, 0.15, 0.1; cumulative 0.5, 0.75, 0.9 -> top_p 0.7 keeps {1, 3}.
+    probs = adjusted_probs(logits, SamplingParams(temperature=1.0, top_p=0.7))
+    assert probs[0].tolist() == pytest.approx([0.0, 0.5 / 0.75, 0.0, 0.25 / 0.75], abs=1e-6)
+    # 0.76 is not reached by {1, 3} (0.75), so token 2 joins the nucleus.
+    probs = adjusted_probs(logits, SamplingParams(temperature=1.0, top_p=0.76))
+    assert probs[0].tolist() == pytest.approx([0.0, 0.5 / 0.9, 0.15 / 0.9, 0.25 / 0.9], abs=1e-6)
+
+
+def test_top_p_always_keeps_one_token():
+    logits = torch.tensor([[0.0, 1.0, 0.5]])
+    probs = adjusted_probs(logits, SamplingParams(temperature=1.0, top_p=1e-9))
+    assert probs[0].tolist() == [0.0, 1.0, 0.0]
+
+
+def test_top_k_then_top_p_on_renormalised_mass():
+    probs_in = torch.tensor([[0.4, 0.3, 0.2, 0.1]])
+    # top_k 3 -> [0.4, 0.3, 0.2] / 0.9; cumulative 0.444, 0.778 -> top_p 0.7 keeps tokens 0 and 1.
+    probs = adjusted_probs(probs_in.log(), SamplingParams(temperature=1.0, top_k=3, top_p=0.7))
+    assert probs[0].tolist() == pytest.approx([4 / 7, 3 / 7, 0.0, 0.0], abs=1e-6)
+
+
+def test_rows_are_independent_and_normalised():
+    logits = torch.randn(5, 100, generator=make_generator(0))
+    probs = adjusted_probs(logits, SamplingParams(temperature=0.7, top_k=20, top_p=0.8))
+    assert probs.shape == (5, 100)
+    assert torch.allclose(probs.sum(-1), torch.ones(5))
+    assert ((probs > 0).sum(-1) <= 20).all()
+    for row in range(5):
+        single = adjusted_probs(logits[row : row + 1], SamplingParams(temperature=0.7, top_k=20, top_p=0.8))
+        assert torch.allclose(single[0], probs[row])
+
+
+def test_sample_is_reproducible_and_respects_support():
+    probs = torch.tensor([[0.0, 0.5, 0.5, 0.0], [0.0, 0.0, 0.0, 1.0]]).repeat(50, 1)
+    first = sample(probs, make_generator(123))
+    second = sample(probs, make_generator(123))
+    assert first.dtype == torch.long and first.shape == (100,)
+    assert torch.equal(first, second)
+    assert set(first[0::2].tolist()) <= {1, 2}
+    assert set(first[1::2].tolist()) == {3}
+
+
+def test_make_generator_unseeded_differs():
+    draws = {torch.rand(1, generator=make_generator(None)).item() for _ in range(5)}
+    assert len(draws) > 1
