@@ -1,0 +1,31 @@
+"""The Ray Serve application: OpenAI ingress -> engine replicas (one ``Engine`` each)."""
+
+from __future__ import annotations
+
+from ray import serve
+from ray.serve import Application
+
+from cluster.config import RdserveConfig
+from cluster.openai_api import OpenAIIngress
+from cluster.replica import EngineReplica
+
+APP_NAME = "rdserve"
+
+# Requests admitted to one engine replica at once. Admitted requests wait on the replica's engine
+# lock and count as its load (``cluster.router``); beyond this they wait in Serve's queue.
+ENGINE_MAX_ONGOING_REQUESTS = 64
+
+
+def build_app(cfg: RdserveConfig) -> Application:
+    """Bind the deployments for ``cfg``; ``serve.run(build_app(cfg))`` deploys them."""
+    engine = EngineReplica.options(
+        num_replicas=cfg.serve.replicas,
+        max_ongoing_requests=ENGINE_MAX_ONGOING_REQUESTS,
+        max_queued_requests=cfg.serve.max_queued_requests or -1,
+    ).bind(cfg)
+    return OpenAIIngress.bind(engine, cfg.model.name)
+
+
+def deploy(cfg: RdserveConfig, name: str = APP_NAME, route_prefix: str = "/") -> None:
+    """Deploy on a running Serve instance and wait until the replicas are up."""
+    serve.run(build_app(cfg), name=name, route_prefix=route_prefix)

@@ -1,0 +1,199 @@
+"""``rdserve``: start the serving cluster, generate offline, pull the default model, train drafters."""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Literal
+
+import httpx
+import typer
+from rich.console import Console
+
+from cluster.config import ConfigError, RdserveConfig, check_startable, load_config
+from cluster.protocol import tokens_per_step
+from workers.training.cli import drafter_app
+
+DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "local.yaml"
+READY_TIMEOUT_S = 300.0
+
+app = typer.Typer(help="LLM serving with ReDrafter speculative decoding (Ray Serve, OpenAI API).",
+                  no_args_is_help=True)
+model_app = typer.Typer(help="Manage the default model (SmolLM2-135M-Instruct).", no_args_is_help=True)
+app.add_typer(model_app, name="model")
+app.add_typer(drafter_app, name="drafter")
+
+console = Console()
+err_console = Console(stderr=True)
+
+ConfigOption = typer.Option(DEFAULT_CONFIG, "--config", "-c", help="YAML config (relative paths inside it "
+                            "resolve against its own directory).")
+
+
+def _startable_config(path: Path) -> RdserveConfig:
+    """Load and check the config; on error print it (naming the field) and exit with code 2."""
+    try:
+        cfg = load_config(path)
+        check_startable(cfg)
+    except ConfigError as err:
+        err_console.print(f"[red]config error[/red] in {err}", markup=True, highlight=False)
+        raise typer.Exit(2) from None
+    return cfg
+
+
+def _with_model_dir(cfg: RdserveConfig) -> RdserveConfig:
+    """Pull the default model when ``model.path`` is null (a no-op once cached)."""
+    if cfg.model.path is not None:
+        return cfg
+    from workers.models.pull import pull_default
+
+    with console.status(f"pulling the default model {cfg.model.name} (first run converts GGUF -> safetensors)"):
+        model_dir = pull_default()
+    return cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": model_dir})})
+
+
+@app.command()
+def up(config: Path = ConfigOption) -> None:
+    """Start Ray and Serve locally, deploy the OpenAI-compatible API and serve in the foreground.
+
+    Ctrl-C or SIGTERM shuts Serve and Ray down.
+    """
+    cfg = _with_model_dir(_startable_config(config))
+    import ray
+    from ray import serve
+
+    from cluster.app import deploy
+
+    ray.init(include_dashboard=False, logging_level=logging.WARNING)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        with console.status("starting Ray Serve and loading the engine replicas"):
+            serve.start(http_options={"host": cfg.serve.host, "port": cfg.serve.port})
+            deploy(cfg)
+            base_url = _wait_until_healthy(cfg)
+        _print_ready(cfg, base_url)
+        while not stop.wait(1.0):
+            pass
+        console.print("shutting down")
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def _wait_until_healthy(cfg: RdserveConfig) -> str:
+    """Poll ``GET /health`` until 200; return the base URL. Raises TimeoutError after READY_TIMEOUT_S."""
+    host = "127.0.0.1" if cfg.serve.host in ("0.0.0.0", "::") else cfg.serve.host
+    base_url = f"http://{host}:{cfg.serve.port}"
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{base_url}/health", timeout=5.0).status_code == 200:
+                return base_url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"{base_url}/health did not become ready within {READY_TIMEOUT_S:.0f} s")
+
+
+def _print_ready(cfg: RdserveConfig, base_url: str) -> None:
+    body = json.dumps({"model": cfg.model.name, "messages": [{"role": "user", "content": "Hello!"}],
+                       "max_tokens": 64})
+    console.print(f"[green]rdserve is up[/green]: {base_url}/v1  (model {cfg.model.name}, "
+                  f"{cfg.serve.replicas} replica(s), drafter {cfg.drafter.path or 'none'})")
+    console.print(f"try:\n  curl {base_url}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'",
+                  highlight=False, markup=False)
+    console.print("Ctrl-C to stop.")
+
+
+@app.command()
+def generate(
+    config: Path = ConfigOption,
+    prompt: str | None = typer.Option(None, help="One prompt (raw text, or a user message with --chat)."),
+    prompts: Path | None = typer.Option(None, help="JSONL file: each line has 'prompt' (raw text) or "
+                                        "'messages' (chat), optionally 'category'."),
+    chat: bool = typer.Option(False, "--chat", help="Apply the chat template to --prompt."),
+    max_tokens: int = typer.Option(128, min=1, help="Completion tokens per prompt."),
+    mode: str = typer.Option("spec", help="spec (ReDrafter) or plain decoding."),
+    temperature: float = typer.Option(0.0, min=0.0, help="0 = greedy."),
+    seed: int | None = typer.Option(None, help="Sampling seed."),
+    as_json: bool = typer.Option(False, "--json", help="One JSON object per prompt instead of text."),
+) -> None:
+    """Generate with an Engine in this process (no Ray, no HTTP): for checks and benchmarks."""
+    if (prompt is None) == (prompts is None):
+        err_console.print("give exactly one of --prompt and --prompts")
+        raise typer.Exit(2)
+    if mode not in ("spec", "plain"):
+        err_console.print(f"--mode must be 'spec' or 'plain', got '{mode}'")
+        raise typer.Exit(2)
+    cfg = _startable_config(config)
+    if mode == "spec" and cfg.drafter.path is None:
+        err_console.print("--mode spec needs drafter.path in the config")
+        raise typer.Exit(2)
+    if prompts is not None:
+        items = _read_prompts(prompts)
+    else:
+        items = [{"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt}]
+    from cluster.local_engine import build_engine
+    from workers.sampling import SamplingParams
+
+    engine = build_engine(_with_model_dir(cfg))
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed)
+    for item in items:
+        result = _generate_one(engine, item, params, mode)
+        if as_json:
+            print(json.dumps(result), flush=True)
+        else:
+            console.print(result["text"], markup=False, highlight=False)
+            console.print(f"[dim]{result['completion_tokens']} tokens in {result['num_steps']} steps "
+                          f"({result['tokens_per_step']:.2f} tokens/step, {result['latency_s']:.2f} s, "
+                          f"{result['mode']}, finish {result['finish_reason']})[/dim]")
+
+
+def _read_prompts(path: Path) -> list[dict]:
+    items = []
+    for n, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        item = json.loads(line)
+        if not isinstance(item, dict) or ("prompt" in item) == ("messages" in item):
+            err_console.print(f"{path}:{n}: each line needs exactly one of 'prompt' and 'messages'")
+            raise typer.Exit(2)
+        items.append(item)
+    return items
+
+
+def _generate_one(engine, item: dict, params, mode: Literal["spec", "plain"]) -> dict:
+    """Run one prompt to completion; counters come from the final delta."""
+    start = time.perf_counter()
+    ids = engine.encode_chat(item["messages"]) if "messages" in item else engine.encode_prompt(item["prompt"])
+    text, token_ids, last = [], [], None
+    for last in engine.generate(ids, params, mode):
+        text.append(last.text)
+        token_ids.extend(last.token_ids)
+    latency_s = time.perf_counter() - start
+    result = {
+        "text": "".join(text), "token_ids": token_ids, "mode": mode,
+        "prompt_tokens": last.prompt_tokens, "completion_tokens": last.completion_tokens,
+        "num_steps": last.num_steps, "accepted_draft_tokens": last.accepted_draft_tokens,
+        "tokens_per_step": tokens_per_step(last.completion_tokens, last.num_steps),
+        "finish_reason": last.finish_reason, "latency_s": round(latency_s, 4),
+    }
+    if "category" in item:
+        result["category"] = item["category"]
+    return result
+
+
+@model_app.command("pull")
+def model_pull(force: bool = typer.Option(False, "--force", help="Convert again even if cached.")) -> None:
+    """Convert the default GGUF checkpoint into a Hugging Face directory in the cache; print its path."""
+    from workers.models.pull import pull_default
+
+    with console.status("pulling SmolLM2-135M-Instruct"):
+        model_dir = pull_default(force)
+    print(model_dir)

@@ -1,0 +1,23 @@
+"""The ``Engine`` a config describes: what each replica (and ``rdserve generate``) runs."""
+
+from __future__ import annotations
+
+from cluster.config import RdserveConfig
+
+
+def build_engine(cfg: RdserveConfig):
+    """Load model and drafter per ``cfg``; a null ``model.path`` pulls the default model (cached).
+
+    Returns a ``workers.engine.Engine``.
+    """
+    from workers.engine import Engine
+    from workers.models.pull import pull_default
+
+    eng = cfg.engine
+    model_dir = cfg.model.path or pull_default()
+    drafter_dir = cfg.drafter.path
+    return Engine(
+        str(model_dir), str(drafter_dir) if drafter_dir else None, device=eng.device, dtype=eng.dtype,
+        num_beams=eng.num_beams, draft_len_per_beam=eng.draft_len_per_beam, max_seq_len=eng.max_seq_len,
+        num_threads=eng.num_threads,
+    )

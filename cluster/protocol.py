@@ -1,0 +1,249 @@
+"""OpenAI-compatible request and response schemas (chat completions, completions, models).
+
+Extensions beyond the OpenAI API:
+- ``top_k`` (int, 0 = off) on both request kinds;
+- ``rdserve: {"mode": "auto" | "spec" | "plain"}`` on requests forces the decoding mode
+  (default: the router's ``default_mode``); with the ``openai`` client pass it via ``extra_body``;
+- ``rdserve: {"mode", "reason", "num_steps", "accepted_draft_tokens", "tokens_per_step"}`` on
+  responses (streaming: on the chunk that carries ``finish_reason``).
+
+``max_tokens`` absent means the remaining context, capped at ``DEFAULT_MAX_TOKENS``.
+Unknown request fields are ignored, as OpenAI-compatible servers commonly do.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from workers.sampling import SamplingParams
+
+DEFAULT_MAX_TOKENS = 1024
+
+
+class RequestError(ValueError):
+    """A request the server rejects with HTTP 400; ``param`` is the offending field."""
+
+    def __init__(self, param: str | None, message: str):
+        super().__init__(message)
+        self.param = param
+        self.message = message
+
+
+def error_body(message: str, param: str | None, type_: str = "invalid_request_error") -> dict:
+    """The OpenAI error envelope."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": None}}
+
+
+def resolve_max_tokens(requested: int | None, prompt_tokens: int, max_seq_len: int, *,
+                       prompt_field: str, max_tokens_field: str) -> int:
+    """Completion budget in tokens, checked against the context length (prompt + completion).
+
+    Raises:
+        RequestError: the prompt leaves no room, or ``requested`` exceeds the room left.
+    """
+    remaining = max_seq_len - prompt_tokens
+    if remaining < 1:
+        raise RequestError(
+            prompt_field,
+            f"{prompt_field}: the prompt has {prompt_tokens} tokens; the context length is {max_seq_len} tokens "
+            "and at least one must be left for the completion",
+        )
+    if requested is None:
+        return min(remaining, DEFAULT_MAX_TOKENS)
+    if requested > remaining:
+        raise RequestError(
+            max_tokens_field,
+            f"{max_tokens_field}: {requested} completion tokens + {prompt_tokens} prompt tokens exceed the "
+            f"context length of {max_seq_len} tokens",
+        )
+    return requested
+
+
+def tokens_per_step(completion_tokens: int, num_steps: int) -> float:
+    """Completion tokens per decoding step (a step = one target-model forward after prefill)."""
+    return round(completion_tokens / num_steps, 4) if num_steps else float(completion_tokens)
+
+
+class RdserveOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    mode: Literal["auto", "spec", "plain"] | None = None
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _GenerationRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+    rdserve: RdserveOptions | None = None
+
+    @field_validator("n")
+    @classmethod
+    def _only_one_choice(cls, n: int) -> int:
+        if n != 1:
+            raise ValueError("only n=1 is supported")
+        return n
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def requested_mode(self) -> str | None:
+        return self.rdserve.mode if self.rdserve else None
+
+    def sampling_params(self) -> SamplingParams:
+        """Everything but ``max_tokens``, which needs the prompt length (``resolve_max_tokens``)."""
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        return SamplingParams(temperature=self.temperature, top_p=self.top_p,
+                              top_k=self.top_k, seed=self.seed, stop=stop)
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+
+    def as_template_input(self) -> dict:
+        """``{"role", "content"}`` with text parts joined, as chat templates expect."""
+        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+    @property
+    def max_tokens_field(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class CompletionRequest(_GenerationRequest):
+    prompt: str | list[str]
+
+    @field_validator("prompt")
+    @classmethod
+    def _single_prompt(cls, prompt: str | list[str]) -> str | list[str]:
+        if isinstance(prompt, list) and len(prompt) != 1:
+            raise ValueError("only a single prompt string is supported")
+        return prompt
+
+    @property
+    def prompt_text(self) -> str:
+        return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
+
+    @property
+    def max_tokens_field(self) -> str:
+        return "max_tokens"
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class RdserveStats(BaseModel):
+    """How the request was decoded. tokens_per_step: completion tokens / decoding steps."""
+
+    mode: Literal["spec", "plain"]
+    reason: str
+    num_steps: int
+    accepted_draft_tokens: int
+    tokens_per_step: float
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    finish_reason: str | None
+    logprobs: None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    rdserve: RdserveStats
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: dict[str, str]
+    finish_reason: str | None = None
+    logprobs: None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+    rdserve: RdserveStats | None = None
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    finish_reason: str | None = None
+    logprobs: None = None
+
+
+class CompletionResponse(BaseModel):
+    """Both the whole response and a streamed chunk (OpenAI uses ``text_completion`` for both)."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    rdserve: RdserveStats | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "rdserve"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

@@ -1,0 +1,125 @@
+"""One engine replica: owns an ``Engine``, tracks its load, routes and streams one request at a time.
+
+The engine's ``generate`` is a blocking, CPU-heavy generator. Every call into the engine (tokenize,
+each decoding step, close) runs on this replica's single engine thread, so the asyncio event loop
+never blocks and the engine (and its tokenizer) is never used from two threads at once. An asyncio
+lock admits one generation at a time; requests waiting for it count as queued load.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+
+from ray import serve
+
+from cluster.config import RdserveConfig
+from cluster.local_engine import build_engine
+from cluster.protocol import RequestError, resolve_max_tokens
+from cluster.router import choose_mode
+from workers.sampling import SamplingParams
+
+log = logging.getLogger("ray.serve")
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """A generation request as a replica sees it, free of HTTP/OpenAI details.
+
+    Exactly one of ``prompt`` (raw text) and ``messages`` (rendered with the chat template) is set.
+    ``max_tokens`` None means the default budget (see ``cluster.protocol.resolve_max_tokens``); the
+    resolved budget replaces ``sampling.max_tokens``. ``max_tokens_field`` names the request field in
+    error messages. ``mode``: the requested mode (``rdserve.mode``) or None.
+    """
+
+    prompt: str | None
+    messages: list[dict] | None
+    sampling: SamplingParams
+    max_tokens: int | None
+    max_tokens_field: str
+    mode: str | None
+
+
+@dataclass(frozen=True)
+class Started:
+    """First stream item of an accepted request: prompt size and the router's decision."""
+
+    prompt_tokens: int
+    mode: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Failed:
+    """Last stream item of a failed request; ``status`` 400 (bad request) or 500 (engine error)."""
+
+    status: int
+    message: str
+    param: str | None = None
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 1})
+class EngineReplica:
+    """Ray Serve deployment; ``generate`` streams ``Started``, then engine deltas, or one ``Failed``."""
+
+    def __init__(self, cfg: RdserveConfig):
+        self.engine = build_engine(cfg)
+        self.router = cfg.router
+        self.load = 0
+        self._lock = asyncio.Lock()
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        log.info("engine ready: model %s, drafter %s", cfg.model.path or "default", cfg.drafter.path)
+
+    def stats(self) -> dict:
+        """``{"load": running + queued requests, "speculative_available": bool}``."""
+        return {"load": self.load, "speculative_available": self.engine.speculative_available}
+
+    async def _on_engine_thread(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
+
+    async def generate(self, req: EngineRequest) -> AsyncIterator[Started | Failed | object]:
+        self.load += 1
+        try:
+            async with contextlib.aclosing(self._generate(req)) as items:
+                async for item in items:
+                    yield item
+        except Exception as err:  # an engine failure must end the stream, never hang it
+            log.exception("generation failed")
+            yield Failed(500, f"engine error: {type(err).__name__}: {err}")
+        finally:
+            self.load -= 1
+
+    async def _generate(self, req: EngineRequest) -> AsyncIterator[Started | Failed | object]:
+        prompt_field = "messages" if req.messages is not None else "prompt"
+        try:
+            if req.messages is not None:
+                prompt_ids = await self._on_engine_thread(self.engine.encode_chat, req.messages)
+            else:
+                prompt_ids = await self._on_engine_thread(self.engine.encode_prompt, req.prompt)
+            max_tokens = resolve_max_tokens(
+                req.max_tokens, len(prompt_ids), self.engine.max_seq_len,
+                prompt_field=prompt_field, max_tokens_field=req.max_tokens_field,
+            )
+        except RequestError as err:
+            yield Failed(400, err.message, err.param)
+            return
+        except ValueError as err:  # e.g. no chat template
+            yield Failed(400, f"{prompt_field}: {err}", prompt_field)
+            return
+        mode, reason = choose_mode(self.load, req.mode, self.router, self.engine.speculative_available)
+        log.info("request: %d prompt tokens, max_tokens %d, mode %s (%s)", len(prompt_ids), max_tokens, mode, reason)
+        yield Started(len(prompt_ids), mode, reason)
+        async with self._lock:
+            steps = self.engine.generate(prompt_ids, replace(req.sampling, max_tokens=max_tokens), mode)
+            try:
+                while (delta := await self._on_engine_thread(next, steps, None)) is not None:
+                    yield delta
+                    if delta.finished:
+                        return
+            finally:
+                # Queued behind any step still running; stops the generation if the client went away.
+                self._thread.submit(steps.close)

@@ -1,0 +1,36 @@
+"""Per-request decoding-mode policy: speculative (ReDrafter) or plain, from the replica's load.
+
+Speculation lowers latency per request but spends extra compute per step on draft verification,
+so under load a replica falls back to plain decoding. A request may force a mode with the body
+extension ``"rdserve": {"mode": "spec" | "plain" | "auto"}`` (see ``cluster.protocol``).
+"""
+
+from __future__ import annotations
+
+from cluster.config import RouterConfig
+
+MODES = ("auto", "spec", "plain")
+
+
+def choose_mode(
+    load: int, requested: str | None, cfg: RouterConfig, speculative_available: bool
+) -> tuple[str, str]:
+    """Decide ``("spec" | "plain", reason)`` for one request.
+
+    load: requests the replica holds (running + queued), counting this one, so ``load >= 1``.
+    requested: the request's ``rdserve.mode``; None falls back to ``cfg.default_mode``.
+    A forced ``spec`` without a drafter degrades to plain (the reason says so) rather than failing.
+    """
+    mode = requested or cfg.default_mode
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    source = "requested" if requested else "default_mode"
+    if not speculative_available:
+        return "plain", f"no drafter loaded ({source} {mode})"
+    if mode == "spec":
+        return "spec", f"{source} spec"
+    if mode == "plain":
+        return "plain", f"{source} plain"
+    if load <= cfg.spec_max_load:
+        return "spec", f"auto: load {load} <= spec_max_load {cfg.spec_max_load}"
+    return "plain", f"auto: load {load} > spec_max_load {cfg.spec_max_load}"
