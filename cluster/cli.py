@@ -15,7 +15,6 @@ import typer
 from rich.console import Console
 
 from cluster.config import ConfigError, RdserveConfig, check_startable, load_config
-from cluster.protocol import tokens_per_step
 from workers.training.cli import drafter_app
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "local.yaml"
@@ -181,7 +180,7 @@ def _generate_one(engine, item: dict, params, mode: Literal["spec", "plain"]) ->
         "text": "".join(text), "token_ids": token_ids, "mode": mode,
         "prompt_tokens": last.prompt_tokens, "completion_tokens": last.completion_tokens,
         "num_steps": last.num_steps, "accepted_draft_tokens": last.accepted_draft_tokens,
-        "tokens_per_step": tokens_per_step(last.completion_tokens, last.num_steps),
+        "tokens_per_step": round(last.tokens_per_step, 4),
         "finish_reason": last.finish_reason, "latency_s": round(latency_s, 4),
     }
     if "category" in item:

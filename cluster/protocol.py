@@ -61,11 +61,6 @@ def resolve_max_tokens(requested: int | None, prompt_tokens: int, max_seq_len: i
     return requested
 
 
-def tokens_per_step(completion_tokens: int, num_steps: int) -> float:
-    """Completion tokens per decoding step (a step = one target-model forward after prefill)."""
-    return round(completion_tokens / num_steps, 4) if num_steps else float(completion_tokens)
-
-
 class RdserveOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     mode: Literal["auto", "spec", "plain"] | None = None
@@ -170,7 +165,10 @@ class Usage(BaseModel):
 
 
 class RdserveStats(BaseModel):
-    """How the request was decoded. tokens_per_step: completion tokens / decoding steps."""
+    """How the request was decoded; counters as in ``workers.engine.GenerationDelta``.
+
+    tokens_per_step: mean (accepted draft tokens + 1) per generation step (1.0 for plain decoding).
+    """
 
     mode: Literal["spec", "plain"]
     reason: str

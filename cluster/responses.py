@@ -25,7 +25,6 @@ from cluster.protocol import (
     CompletionResponse,
     RdserveStats,
     Usage,
-    tokens_per_step,
 )
 from cluster.replica import Started
 
@@ -40,7 +39,7 @@ def stats_of(started: Started, last) -> RdserveStats:
     """Router decision plus speculation counters from the final engine delta."""
     return RdserveStats(mode=started.mode, reason=started.reason, num_steps=last.num_steps,
                         accepted_draft_tokens=last.accepted_draft_tokens,
-                        tokens_per_step=tokens_per_step(last.completion_tokens, last.num_steps))
+                        tokens_per_step=round(last.tokens_per_step, 4))
 
 
 def sse(payload: BaseModel | dict) -> str:

@@ -1,0 +1,86 @@
+"""``cluster.config``: schema errors name the field; relative paths resolve against the YAML's directory."""
+
+from pathlib import Path
+
+import pytest
+
+from cluster.config import ConfigError, check_startable, load_config, parse_config
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_local_yaml_is_valid_from_any_cwd(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(REPO / "configs" / "local.yaml")
+    assert cfg.model.name == "SmolLM2-135M-Instruct"
+    assert cfg.model.path is None
+    assert cfg.drafter.path == REPO / "workers" / "drafters" / "smollm2-135m-instruct"
+    assert (cfg.engine.num_beams, cfg.engine.draft_len_per_beam, cfg.engine.max_seq_len) == (4, 4, 2048)
+    assert (cfg.serve.port, cfg.serve.replicas) == (8000, 1)
+
+
+def test_relative_paths_resolve_against_the_config_directory(tmp_path):
+    cfg = load_config(write(tmp_path, "model: {path: m}\ndrafter: {path: ../d}\n"))
+    assert cfg.model.path == tmp_path / "m"
+    assert cfg.drafter.path == tmp_path.parent / "d"
+
+
+@pytest.mark.parametrize(
+    "yaml_text, field",
+    [
+        ("engine: {num_beams: 17}", "engine.num_beams: Input should be less than or equal to 16"),
+        ("engine: {draft_len_per_beam: 0}", "engine.draft_len_per_beam"),
+        ("engine: {nmu_beams: 4}", "engine.nmu_beams: Extra inputs are not permitted"),
+        ("engine: {device: tpu}", "engine.device"),
+        ("engine: {dtype: float8}", "engine.dtype"),
+        ("engine: {max_seq_len: 8}", "engine.max_seq_len"),
+        ("engine: {tp_size: 0}", "engine.tp_size"),
+        ("router: {default_mode: fast}", "router.default_mode"),
+        ("router: {spec_max_load: -1}", "router.spec_max_load"),
+        ("serve: {replicas: 0}", "serve.replicas"),
+        ("servr: {port: 1}", "servr: Extra inputs are not permitted"),
+    ],
+)
+def test_errors_name_the_field(tmp_path, yaml_text, field):
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        load_config(write(tmp_path, yaml_text + "\n"))
+
+
+def test_several_errors_one_line_each(tmp_path):
+    with pytest.raises(ConfigError) as err:
+        load_config(write(tmp_path, "engine: {num_beams: 0, tp_size: 0}\n"))
+    assert {"engine.num_beams", "engine.tp_size"} <= {line.split(":")[0] for line in str(err.value).splitlines()}
+
+
+def test_unreadable_and_non_mapping_files(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(tmp_path / "missing.yaml")
+    with pytest.raises(ConfigError, match="invalid YAML"):
+        load_config(write(tmp_path, "engine: [\n"))
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(write(tmp_path, "- 1\n"))
+
+
+@pytest.mark.parametrize(
+    "data, field",
+    [
+        ({"engine": {"backend": "tensorrt_llm"}}, "engine.backend: 'tensorrt_llm' needs a CUDA GPU"),
+        ({"engine": {"tp_size": 2}}, "engine.tp_size: only 1"),
+        ({"engine": {"device": "cuda:1"}}, "engine.device"),
+        ({"model": {"path": "nowhere"}}, "model.path: directory not found"),
+        ({"drafter": {"path": "nowhere"}}, "drafter.path: directory not found"),
+    ],
+)
+def test_check_startable_names_the_field(tmp_path, data, field):
+    with pytest.raises(ConfigError, match=field):
+        check_startable(parse_config(data, tmp_path), cuda_available=False)
+
+
+def test_check_startable_accepts_the_defaults(tmp_path):
+    check_startable(parse_config({}, tmp_path), cuda_available=False)

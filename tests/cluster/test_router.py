@@ -1,0 +1,40 @@
+"""``cluster.router.choose_mode``: forced modes, load threshold, no-drafter fallback."""
+
+import pytest
+
+from cluster.config import RouterConfig
+from cluster.router import choose_mode
+
+
+def test_auto_speculates_up_to_spec_max_load():
+    cfg = RouterConfig(spec_max_load=2, default_mode="auto")
+    assert choose_mode(1, None, cfg, True)[0] == "spec"
+    assert choose_mode(2, None, cfg, True) == ("spec", "auto: load 2 <= spec_max_load 2")
+    assert choose_mode(3, None, cfg, True) == ("plain", "auto: load 3 > spec_max_load 2")
+    assert choose_mode(3, "auto", cfg, True)[0] == "plain"
+
+
+def test_spec_max_load_zero_never_speculates_in_auto():
+    assert choose_mode(1, "auto", RouterConfig(spec_max_load=0), True)[0] == "plain"
+
+
+def test_requested_mode_overrides_load_and_default():
+    cfg = RouterConfig(spec_max_load=0, default_mode="plain")
+    assert choose_mode(100, "spec", cfg, True) == ("spec", "requested spec")
+    assert choose_mode(1, "plain", RouterConfig(default_mode="spec"), True) == ("plain", "requested plain")
+
+
+def test_default_mode_applies_when_not_requested():
+    assert choose_mode(100, None, RouterConfig(default_mode="spec"), True) == ("spec", "default_mode spec")
+    assert choose_mode(1, None, RouterConfig(default_mode="plain"), True) == ("plain", "default_mode plain")
+
+
+@pytest.mark.parametrize("requested", [None, "auto", "spec", "plain"])
+def test_without_drafter_always_plain(requested):
+    mode, reason = choose_mode(1, requested, RouterConfig(), False)
+    assert mode == "plain" and "no drafter" in reason
+
+
+def test_unknown_mode_is_rejected():
+    with pytest.raises(ValueError, match="mode"):
+        choose_mode(1, "fast", RouterConfig(), True)
