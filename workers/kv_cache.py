@@ -32,7 +32,11 @@ class AttentionMetadata:
 
 
 class KVCache:
-    """Keys and values ``k[layer], v[layer]: [batch, n_kv_heads, max_len, head_dim]``."""
+    """Keys and values ``k[layer], v[layer]: [batch, max_len, n_kv_heads, head_dim]``.
+
+    Slot-major rows make writing scattered slots one ``index_copy_`` on a flat view; attention
+    reads a transposed view.
+    """
 
     def __init__(
         self,
@@ -44,7 +48,7 @@ class KVCache:
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
     ):
-        shape = (batch, n_kv_heads, max_len, head_dim)
+        shape = (batch, max_len, n_kv_heads, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.lengths = [0] * batch
@@ -61,14 +65,17 @@ class KVCache:
         rows, slots: ``[B, T] long`` cache row and slot of each new token.
         k, v: ``[B, n_kv_heads, T, head_dim]``.
         """
-        self.k[layer][rows, :, slots] = k.transpose(1, 2)
-        self.v[layer][rows, :, slots] = v.transpose(1, 2)
+        index = (rows * self.max_len + slots).reshape(-1)
+        for cache, new in ((self.k[layer], k), (self.v[layer], v)):
+            flat = cache.view(-1, cache.shape[2], cache.shape[3])
+            flat.index_copy_(0, index, new.transpose(1, 2).reshape(-1, cache.shape[2], cache.shape[3]))
 
     def read(self, layer: int, row_ids: torch.Tensor | None, kv_len: int):
         """Keys and values ``[B, n_kv_heads, kv_len, head_dim]`` of the given rows."""
-        if row_ids is None:
-            return self.k[layer][:, :, :kv_len], self.v[layer][:, :, :kv_len]
-        return self.k[layer][row_ids, :, :kv_len], self.v[layer][row_ids, :, :kv_len]
+        k, v = self.k[layer][:, :kv_len], self.v[layer][:, :kv_len]
+        if row_ids is not None:
+            k, v = k[row_ids], v[row_ids]
+        return k.transpose(1, 2), v.transpose(1, 2)
 
     def commit_path(self, row: int, start: int, node_indices: list[int]) -> None:
         """Move the accepted tree nodes (written at ``start + node_indices[i]``) to
@@ -84,5 +91,5 @@ class KVCache:
             src = torch.tensor(node_indices, device=self.device) + start
             for cache in (self.k, self.v):
                 for layer in cache:
-                    layer[row, :, start : start + n] = layer[row, :, src]
+                    layer[row, start : start + n] = layer[row, src]
         self.lengths[row] = start + n

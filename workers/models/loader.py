@@ -81,7 +81,23 @@ def load_model(
     model.model.rotary = type(model.model.rotary)(
         cfg.head_size, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
     )
-    return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    if torch.device(device).type == "cpu":
+        use_input_major_weights(model)
+    return model
+
+
+def use_input_major_weights(module: torch.nn.Module) -> None:
+    """Store every Linear weight ``[out, in]`` with input-major strides (a transposed view of an
+    ``[in, out]`` contiguous tensor).
+
+    Values are unchanged; on CPU, MKL's GEMM for the small row counts of decoding and tree
+    verification (2-16 rows) runs up to 2x faster with this layout (measured in
+    ``benchmarks/linear_layout.py``).
+    """
+    for m in module.modules():
+        if isinstance(m, torch.nn.Linear) and m.weight.is_contiguous():
+            m.weight.data = m.weight.data.t().contiguous().t()
 
 
 def _check_keys(model: torch.nn.Module, state: dict) -> tuple[list[str], list[str]]:

@@ -1,0 +1,102 @@
+"""Self-distillation data: the base model's own greedy responses and the hidden states that chose
+each response token.
+
+For response tokens ``y_0..y_{n-1}`` we keep ``g_i``: the base model's post-norm hidden state at
+the position before ``y_i`` (the state whose LM-head argmax is ``y_i``). A drafter trained on
+``(g_i, y_i) -> y_{i+1..i+K}`` sees exactly what it sees while serving: the context of the last
+accepted token and the root token the base model chose.
+
+Generation is batched (``batch_size`` rows decoded together with per-row lengths) and resumable:
+each finished batch is one ``shard-XXXXX.pt`` file in the output directory.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from workers.kv_cache import AttentionMetadata
+from workers.models.llama import LlamaForCausalLM
+
+
+@torch.inference_mode()
+def generate_batch(
+    model: LlamaForCausalLM, prompts: list[list[int]], max_new_tokens: int, eos_ids: set[int]
+) -> list[tuple[list[int], torch.Tensor]]:
+    """Greedy responses for a batch of prompts.
+
+    Returns, per prompt, ``(response_ids, hiddens)`` with ``hiddens: [len(response_ids), H] float16``.
+    """
+    B = len(prompts)
+    max_len = max(len(p) for p in prompts) + max_new_tokens + 1
+    cache = model.new_cache(B, max_len)
+    last_tok, hid = [], []
+    for b, ids in enumerate(prompts):
+        T = len(ids)
+        pos = torch.arange(T)[None]
+        meta = AttentionMetadata(
+            rows=torch.full((1, T), b), slots=pos, mask=torch.ones(T, T, dtype=torch.bool).tril()[None, None],
+            kv_len=T, row_ids=torch.tensor([b]),
+        )
+        h = model(torch.tensor([ids]), pos, cache, meta)[0, -1]
+        cache.lengths[b] = T
+        hid.append(h)
+        last_tok.append(int(model.logits(h).argmax()))
+    outputs: list[list[int]] = [[t] for t in last_tok]
+    hiddens: list[list[torch.Tensor]] = [[h.half()] for h in hid]
+    done = [t in eos_ids for t in last_tok]
+    rows = torch.arange(B)[:, None]
+    for _ in range(max_new_tokens - 1):
+        if all(done):
+            break
+        lengths = torch.tensor(cache.lengths)
+        kv_len = int(lengths.max()) + 1
+        mask = (torch.arange(kv_len)[None, :] <= lengths[:, None])[:, None, None, :]
+        meta = AttentionMetadata(rows=rows, slots=lengths[:, None], mask=mask, kv_len=kv_len)
+        inp = torch.tensor([[o[-1]] for o in outputs])
+        h = model(inp, lengths[:, None], cache, meta)[:, 0]
+        nxt = model.logits(h).argmax(-1).tolist()
+        for b in range(B):
+            if done[b]:
+                continue
+            cache.lengths[b] += 1
+            outputs[b].append(nxt[b])
+            hiddens[b].append(h[b].half())
+            done[b] = nxt[b] in eos_ids
+    return [(outputs[b], torch.stack(hiddens[b])) for b in range(B)]
+
+
+def generate_dataset(
+    model: LlamaForCausalLM,
+    prompts: list[dict],
+    out_dir: Path,
+    max_new_tokens: int,
+    batch_size: int,
+    eos_ids: set[int],
+) -> None:
+    """Write ``shard-XXXXX.pt`` files ``{"prompt_ids", "response_ids", "hiddens", "category"}``; skips
+    shards that already exist (resume)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]["prompt_ids"]))
+    batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+    bar = tqdm(batches, desc="self-distillation data", unit="batch")
+    for n, batch in enumerate(bar):
+        shard = out_dir / f"shard-{n:05d}.pt"
+        if shard.exists():
+            continue
+        results = generate_batch(model, [prompts[i]["prompt_ids"] for i in batch], max_new_tokens, eos_ids)
+        records = [
+            {
+                "prompt_ids": prompts[i]["prompt_ids"],
+                "response_ids": resp,
+                "hiddens": hid,
+                "category": prompts[i].get("category", "unknown"),
+            }
+            for i, (resp, hid) in zip(batch, results)
+        ]
+        tmp = shard.with_suffix(".tmp")
+        torch.save(records, tmp)
+        tmp.rename(shard)
+        bar.set_postfix(tokens=sum(len(r["response_ids"]) for r in records))

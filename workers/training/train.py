@@ -1,0 +1,160 @@
+"""Self-distillation training of a ReDrafter head (arXiv 2403.09919 Sec. 3.4, "knowledge
+distillation" variant: targets are the base model's own greedy tokens).
+
+Each training example is one response position ``i`` of a shard written by
+:mod:`workers.training.distill_data`: context ``g_i`` (``[H]``), root token ``y_i``, and targets
+``y_{i+1..i+K}``. The RNN runs over ``e(y_i), .., e(y_{i+K-1})`` with the base model's frozen
+embedding; the loss is the mean cross-entropy over the K drafted positions. The base model's LM
+head is frozen (``shared`` heads reuse it). Matrix products run in bfloat16 autocast on CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from workers.redrafter.drafter import DrafterConfig, ReDrafter
+
+
+@dataclass
+class TrainExamples:
+    """contexts ``[N, H] float16``, windows ``[N, K + 1] long`` (root then K targets, -100 padded)."""
+
+    contexts: torch.Tensor
+    windows: torch.Tensor
+    categories: list[str]
+
+
+def load_examples(shard_dir: Path, draft_len: int) -> TrainExamples:
+    """All response positions of all shards in ``shard_dir``.
+
+    Raises:
+        FileNotFoundError: when the directory holds no shard.
+    """
+    shards = sorted(shard_dir.glob("shard-*.pt"))
+    if not shards:
+        raise FileNotFoundError(f"no shard-*.pt files in {shard_dir}")
+    contexts, windows, cats = [], [], []
+    for shard in shards:
+        for rec in torch.load(shard, weights_only=False):
+            ids = torch.tensor(rec["response_ids"])
+            n = len(ids)
+            if n < 2:
+                continue
+            padded = torch.cat([ids, torch.full((draft_len,), -100)])
+            win = padded.unfold(0, draft_len + 1, 1)[: n - 1]
+            contexts.append(rec["hiddens"][: n - 1])
+            windows.append(win)
+            cats += [rec["category"]] * (n - 1)
+    return TrainExamples(torch.cat(contexts), torch.cat(windows), cats)
+
+
+def drafter_loss(
+    drafter: ReDrafter, embed: torch.Tensor, contexts: torch.Tensor, windows: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean cross-entropy over drafted positions, and top-1 accuracy per position ``[K]``.
+
+    contexts ``[B, H]``; windows ``[B, K + 1] long`` (-100 where past the end of a response).
+    """
+    K = windows.shape[1] - 1
+    state = torch.zeros_like(contexts)
+    losses, correct = [], []
+    for k in range(K):
+        inp = windows[:, k].clamp(min=0)
+        state = drafter.step_state(state, F.embedding(inp, embed))
+        logits = drafter.logits(contexts, state)
+        target = windows[:, k + 1]
+        losses.append(F.cross_entropy(logits, target, ignore_index=-100, reduction="sum"))
+        valid = target >= 0
+        correct.append(((logits.argmax(-1) == target) & valid).sum() / valid.sum().clamp(min=1))
+    n = (windows[:, 1:] >= 0).sum().clamp(min=1)
+    return torch.stack(losses).sum() / n, torch.stack(correct)
+
+
+def train_drafter(
+    base_model,
+    examples: TrainExamples,
+    out_dir: Path,
+    *,
+    num_draft_layers: int = 2,
+    head_type: str = "shared",
+    steps: int = 2000,
+    batch_size: int = 128,
+    lr: float = 1e-3,
+    heldout_fraction: float = 0.02,
+    checkpoint_every: int = 200,
+    seed: int = 0,
+) -> dict:
+    """Train and save a drafter to ``out_dir``; resumes from ``out_dir/checkpoint.pt``.
+
+    Returns a report dict (also written to ``out_dir/train_report.json``).
+    """
+    out_dir.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    cfg = base_model.config
+    embed = base_model.model.embed_tokens.weight.detach()
+    head = base_model.lm_head.weight.detach()
+    drafter = ReDrafter(DrafterConfig(cfg.vocab_size, cfg.hidden_size, num_draft_layers, head_type), head)
+    with torch.no_grad():
+        for block in drafter.lm_head:
+            if hasattr(block, "linear"):
+                block.linear.weight.mul_(0.1)
+    opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / 100) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps))
+    )
+    n = examples.contexts.shape[0]
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+    n_held = max(1, int(n * heldout_fraction))
+    held, train_idx = perm[:n_held], perm[n_held:]
+    ckpt = out_dir / "checkpoint.pt"
+    start, elapsed = 0, 0.0
+    if ckpt.exists():
+        state = torch.load(ckpt, weights_only=False)
+        drafter.load_state_dict(state["drafter"])
+        opt.load_state_dict(state["opt"])
+        sched.load_state_dict(state["sched"])
+        start, elapsed = state["step"], state["elapsed_s"]
+    rng = random.Random(seed + start)
+    bar = tqdm(range(start, steps), desc="drafter training", initial=start, total=steps, unit="step")
+    t0 = time.perf_counter()
+    for step in bar:
+        idx = train_idx[torch.tensor([rng.randrange(len(train_idx)) for _ in range(batch_size)])]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss, acc = drafter_loss(drafter, embed, examples.contexts[idx].float(), examples.windows[idx])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        bar.set_postfix(loss=f"{loss.item():.3f}", acc1=f"{acc[0].item():.2f}")
+        if (step + 1) % checkpoint_every == 0 or step + 1 == steps:
+            torch.save(
+                {"drafter": drafter.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
+                 "step": step + 1, "elapsed_s": elapsed + time.perf_counter() - t0},
+                ckpt,
+            )
+    elapsed += time.perf_counter() - t0
+    drafter.eval()
+    with torch.no_grad():
+        accs = []
+        for chunk in held.split(512):
+            _, acc = drafter_loss(drafter, embed, examples.contexts[chunk].float(), examples.windows[chunk])
+            accs.append(acc)
+        acc = torch.stack(accs).mean(0)
+    drafter.save(out_dir)
+    report = {
+        "steps": steps, "batch_size": batch_size, "train_examples": len(train_idx), "heldout_examples": n_held,
+        "train_time_s": round(elapsed, 1), "heldout_top1_accuracy_per_position": [round(a, 4) for a in acc.tolist()],
+        "num_draft_layers": num_draft_layers, "head_type": head_type,
+    }
+    (out_dir / "train_report.json").write_text(json.dumps(report, indent=2) + "\n")
+    return report
