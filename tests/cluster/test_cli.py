@@ -1,0 +1,66 @@
+"""``rdserve`` CLI: config errors exit 2 naming the field; ``generate --json`` on the tiny model."""
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from cluster.cli import app
+
+runner = CliRunner()
+
+REQUIRED_KEYS = {"text", "token_ids", "num_steps", "accepted_draft_tokens", "tokens_per_step", "mode",
+                 "prompt_tokens", "completion_tokens", "finish_reason", "latency_s"}
+
+
+@pytest.mark.parametrize(
+    "yaml_text, field",
+    [
+        ("engine:\n  num_beams: 17\n", "engine.num_beams"),
+        ("engine:\n  backend: tensorrt_llm\n", "engine.backend"),
+        ("engine:\n  tp_size: 2\n", "engine.tp_size"),
+        ("drafter:\n  path: no/such/dir\n", "drafter.path"),
+    ],
+)
+def test_up_with_bad_config_exits_2_naming_the_field(tmp_path, yaml_text, field):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml_text)
+    result = runner.invoke(app, ["up", "--config", str(bad)])
+    assert result.exit_code == 2
+    assert field in result.output
+
+
+@pytest.mark.parametrize("command", [[], ["up"], ["generate"], ["model"], ["model", "pull"], ["drafter"]])
+def test_every_command_has_help(command):
+    result = runner.invoke(app, [*command, "--help"])
+    assert result.exit_code == 0 and "Usage" in result.output
+
+
+def test_generate_json_lines(tiny_config_path, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(
+        json.dumps({"prompt": "Once upon a time", "category": "story"}) + "\n"
+        + json.dumps({"messages": [{"role": "user", "content": "Hi"}]}) + "\n"
+    )
+    args = ["generate", "--config", str(tiny_config_path), "--prompts", str(prompts), "--max-tokens", "12", "--json"]
+    for mode in ("spec", "plain"):
+        result = runner.invoke(app, [*args, "--mode", mode])
+        assert result.exit_code == 0, result.output
+        lines = [json.loads(line) for line in result.stdout.splitlines()]
+        assert len(lines) == 2
+        for line in lines:
+            assert REQUIRED_KEYS <= line.keys() and line["mode"] == mode
+            assert line["completion_tokens"] == len(line["token_ids"]) <= 12
+        assert lines[0]["category"] == "story" and "category" not in lines[1]
+
+
+def test_generate_single_chat_prompt_as_text(tiny_config_path):
+    result = runner.invoke(app, ["generate", "--config", str(tiny_config_path), "--prompt", "Hi", "--chat",
+                                 "--max-tokens", "8", "--mode", "plain"])
+    assert result.exit_code == 0, result.output
+    assert "tokens/step" in result.output
+
+
+def test_generate_needs_exactly_one_prompt_source(tiny_config_path):
+    result = runner.invoke(app, ["generate", "--config", str(tiny_config_path), "--max-tokens", "8"])
+    assert result.exit_code == 2 and "--prompt" in result.output

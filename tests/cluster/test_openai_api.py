@@ -1,0 +1,172 @@
+"""The served OpenAI API over real HTTP: Ray Serve + the real Engine on the tiny model."""
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from conftest import MAX_SEQ_LEN, MODEL_NAME
+
+CHAT = ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Tell me a story."}]})
+TEXT = ("/v1/completions", {"prompt": "Once upon a time"})
+
+
+def events(client: httpx.Client, path: str, body: dict) -> list[dict | str]:
+    """POST with ``stream: true``; the parsed ``data:`` payloads (``"[DONE]"`` kept as a string)."""
+    out = []
+    with client.stream("POST", path, json={**body, "stream": True}) as resp:
+        assert resp.status_code == 200
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        for line in resp.iter_lines():
+            if line.startswith("data: "):
+                data = line[len("data: "):]
+                out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+def text_of(kind_path: str, choice: dict, streamed: bool) -> str:
+    if kind_path == "/v1/completions":
+        return choice["text"]
+    return (choice["delta"] if streamed else choice["message"]).get("content") or ""
+
+
+def test_health_and_models(http):
+    health = http.get("/health").json()
+    assert health["status"] == "ok" and health["model"] == MODEL_NAME and health["speculative_available"]
+    models = http.get("/v1/models").json()
+    assert models["object"] == "list" and [m["id"] for m in models["data"]] == [MODEL_NAME]
+
+
+@pytest.mark.parametrize("path, body", [CHAT, TEXT])
+def test_stream_agrees_with_non_stream(http, path, body):
+    body = {**body, "model": MODEL_NAME, "max_tokens": 24, "temperature": 0}
+    whole = http.post(path, json=body).json()
+    chunks = events(http, path, {**body, "stream_options": {"include_usage": True}})
+
+    assert chunks[-1] == "[DONE]"
+    data = chunks[:-1]
+    usage_chunk = data[-1]
+    assert usage_chunk["choices"] == [] and usage_chunk["usage"] == whole["usage"]
+    choices = [c["choices"][0] for c in data[:-1]]
+    finishing = [c for c in choices if c["finish_reason"] is not None]
+    assert len(finishing) == 1 and choices[-1] is finishing[0]
+    assert finishing[0]["finish_reason"] == whole["choices"][0]["finish_reason"]
+    streamed_text = "".join(text_of(path, c, streamed=True) for c in choices)
+    assert streamed_text == text_of(path, whole["choices"][0], streamed=False)
+    assert data[-2]["rdserve"] == {**whole["rdserve"]}
+    if path == "/v1/chat/completions":
+        assert choices[0]["delta"]["role"] == "assistant"
+        assert whole["object"] == "chat.completion" and data[0]["object"] == "chat.completion.chunk"
+    usage = whole["usage"]
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"] > 0
+
+
+def test_openai_client_chat_and_completions(base_url):
+    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused")
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "Hi"}],
+                                          max_tokens=12, temperature=0, seed=1)
+    assert chat.choices[0].message.role == "assistant" and isinstance(chat.choices[0].message.content, str)
+    assert chat.usage.completion_tokens <= 12 and chat.model_extra["rdserve"]["mode"] == "spec"
+
+    text = client.completions.create(model=MODEL_NAME, prompt="abc", max_tokens=12, temperature=0)
+    stream = client.completions.create(model=MODEL_NAME, prompt="abc", max_tokens=12, temperature=0, stream=True,
+                                       stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == text.choices[0].text
+    assert chunks[-1].usage == text.usage
+
+    chat_stream = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "Hi"}],
+                                                 max_tokens=12, temperature=0, seed=1, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in chat_stream) == chat.choices[0].message.content
+
+
+def test_sampled_request_with_top_k_and_stop(http):
+    body = {"prompt": "Once", "max_tokens": 16, "temperature": 0.8, "top_p": 0.9, "top_k": 20, "seed": 7,
+            "stop": ["zz"]}
+    first = http.post("/v1/completions", json=body).json()
+    assert first["choices"][0]["finish_reason"] in ("stop", "length")
+    assert http.post("/v1/completions", json=body).json()["choices"][0]["text"] == first["choices"][0]["text"]
+
+
+@pytest.mark.parametrize("mode", ["spec", "plain"])
+def test_forced_mode_is_reported(http, mode):
+    for path, body in (CHAT, TEXT):
+        resp = http.post(path, json={**body, "max_tokens": 16, "rdserve": {"mode": mode}}).json()
+        assert resp["rdserve"]["mode"] == mode and resp["rdserve"]["reason"] == f"requested {mode}"
+        assert resp["rdserve"]["num_steps"] >= 1
+        if mode == "plain":
+            assert resp["rdserve"]["accepted_draft_tokens"] == 0 and resp["rdserve"]["tokens_per_step"] == 1.0
+
+
+def test_auto_mode_follows_spec_max_load(http):
+    body = {**TEXT[1], "max_tokens": 8}
+    speculative = http.post("/v1/completions", json=body).json()["rdserve"]
+    assert speculative["mode"] == "spec" and speculative["reason"] == "auto: load 1 <= spec_max_load 64"
+    plain = http.post("/auto0/v1/completions", json=body).json()["rdserve"]
+    assert plain["mode"] == "plain" and plain["reason"] == "auto: load 1 > spec_max_load 0"
+    forced = http.post("/auto0/v1/completions", json={**body, "rdserve": {"mode": "spec"}}).json()["rdserve"]
+    assert forced["mode"] == "spec"
+
+
+LONG = "x" * (MAX_SEQ_LEN + 50)  # the tiny tokenizer has at most one token per byte; surely too long
+
+
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        (*CHAT, "model"),
+        ("/v1/chat/completions", {"messages": []}, "messages"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": LONG}]}, "messages"),
+        ("/v1/completions", {"prompt": LONG}, "prompt"),
+        ("/v1/completions", {"prompt": ["a", "b"]}, "prompt"),
+        ("/v1/completions", {"prompt": "a", "max_tokens": 0}, "max_tokens"),
+        ("/v1/completions", {"prompt": "a", "max_tokens": MAX_SEQ_LEN}, "max_tokens"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "max_completion_tokens": 10_000},
+         "max_completion_tokens"),
+        ("/v1/completions", {"prompt": "a", "temperature": -1}, "temperature"),
+        ("/v1/completions", {"prompt": "a", "top_p": 0}, "top_p"),
+        ("/v1/completions", {"prompt": "a", "top_p": 1.5}, "top_p"),
+        ("/v1/completions", {"prompt": "a", "n": 2}, "n"),
+        ("/v1/completions", {"prompt": "a", "rdserve": {"mode": "fast"}}, "rdserve.mode"),
+    ],
+)
+def test_bad_requests_are_400_naming_the_field(http, path, body, param):
+    if param == "model":
+        body = {**body, "model": "gpt-4"}
+    for stream in (False, True):
+        resp = http.post(path, json={**body, "stream": stream})
+        assert resp.status_code == 400, resp.text
+        error = resp.json()["error"]
+        assert error["type"] == "invalid_request_error" and error["param"] == param and error["code"] is None
+        assert error["message"].startswith(f"{param}:")
+
+
+def test_openai_client_sees_400(base_url):
+    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.completions.create(model=MODEL_NAME, prompt="a", temperature=-1)
+
+
+def test_concurrent_requests_all_complete(base_url):
+    import asyncio
+
+    async def run() -> list[dict]:
+        async with httpx.AsyncClient(base_url=base_url, timeout=60) as client:
+            bodies = [{"prompt": f"request {i}", "max_tokens": 16} for i in range(4)]
+            resps = await asyncio.gather(*(client.post("/v1/completions", json=b) for b in bodies))
+        return [r.json() for r in resps]
+
+    for resp in asyncio.run(run()):
+        assert resp["choices"][0]["finish_reason"] in ("stop", "length")
+        assert resp["rdserve"]["reason"].startswith("auto: load ")
+
+
+def test_client_disconnect_releases_the_replica(http):
+    with http.stream("POST", "/v1/completions", json={"prompt": "abc", "max_tokens": 200, "stream": True}) as resp:
+        next(resp.iter_lines())
+    for _ in range(50):
+        if http.get("/health").json()["load"] == 0:
+            break
+    assert http.get("/health").json()["load"] == 0
+    assert http.post("/v1/completions", json={"prompt": "abc", "max_tokens": 4}).status_code == 200
