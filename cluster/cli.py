@@ -69,8 +69,14 @@ def up(config: Path = ConfigOption) -> None:
 
     ray.init(include_dashboard=False, logging_level=logging.WARNING)
     stop = threading.Event()
+
+    def request_stop(*_) -> None:  # the first signal shuts down cleanly; a second one is not caught
+        stop.set()
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, request_stop)
     try:
         with console.status("starting Ray Serve and loading the engine replicas"):
             serve.start(http_options={"host": cfg.serve.host, "port": cfg.serve.port})
@@ -105,9 +111,8 @@ def _print_ready(cfg: RdserveConfig, base_url: str) -> None:
                        "max_tokens": 64})
     console.print(f"[green]rdserve is up[/green]: {base_url}/v1  (model {cfg.model.name}, "
                   f"{cfg.serve.replicas} replica(s), drafter {cfg.drafter.path or 'none'})")
-    console.print(f"try:\n  curl {base_url}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'",
-                  highlight=False, markup=False)
-    console.print("Ctrl-C to stop.")
+    print(f"try:\n  curl {base_url}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'")
+    print("Ctrl-C to stop.", flush=True)
 
 
 @app.command()
