@@ -16,10 +16,16 @@ APP_NAME = "rdserve"
 ENGINE_MAX_ONGOING_REQUESTS = 64
 
 
+def engine_actor_options(cfg: RdserveConfig) -> dict:
+    """Ray resources of one engine replica: one CPU, plus one GPU (chosen by Ray) for a CUDA device."""
+    return {"num_cpus": 1, "num_gpus": 1 if cfg.engine.device.startswith("cuda") else 0}
+
+
 def build_app(cfg: RdserveConfig) -> Application:
     """Bind the deployments for ``cfg``; ``serve.run(build_app(cfg))`` deploys them."""
     engine = EngineReplica.options(
         num_replicas=cfg.serve.replicas,
+        ray_actor_options=engine_actor_options(cfg),
         max_ongoing_requests=ENGINE_MAX_ONGOING_REQUESTS,
         max_queued_requests=cfg.serve.max_queued_requests or -1,
     ).bind(cfg)

@@ -11,10 +11,12 @@ for FastAPI to see request bodies.
 import asyncio
 import logging
 import time
+from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel
 from ray import serve
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
@@ -97,7 +99,8 @@ class OpenAIIngress:
         if model is not None and model != self.model_name:
             raise RequestError("model", f"model: '{model}' is not served here; available: '{self.model_name}'")
 
-    async def _respond(self, req: EngineRequest, body, fmt):
+    async def _respond(self, req: EngineRequest, body: ChatCompletionRequest | CompletionRequest,
+                       fmt: ChatFormat | CompletionFormat):
         stream: DeploymentResponseGenerator = self.engine.options(stream=True).generate.remote(req)
         try:
             started = await stream.__anext__()
@@ -111,7 +114,8 @@ class OpenAIIngress:
                                      media_type="text/event-stream")
         return await self._collect(stream, started, fmt)
 
-    async def _collect(self, stream: DeploymentResponseGenerator, started: Started, fmt):
+    async def _collect(self, stream: DeploymentResponseGenerator, started: Started,
+                       fmt: ChatFormat | CompletionFormat) -> JSONResponse | BaseModel:
         pieces, last = [], None
         try:
             async for item in stream:
@@ -126,7 +130,8 @@ class OpenAIIngress:
             return _failed_response(Failed(500, "engine error: the generation ended without a final step"))
         return fmt.response("".join(pieces), last.finish_reason, usage_of(last), stats_of(started, last))
 
-    async def _events(self, stream: DeploymentResponseGenerator, started: Started, include_usage: bool, fmt):
+    async def _events(self, stream: DeploymentResponseGenerator, started: Started, include_usage: bool,
+                      fmt: ChatFormat | CompletionFormat) -> AsyncIterator[str]:
         """SSE body; on client disconnect the handle call is cancelled, which stops the engine."""
         finished = False
         try:

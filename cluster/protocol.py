@@ -41,8 +41,10 @@ def resolve_max_tokens(requested: int | None, prompt_tokens: int, max_seq_len: i
     """Completion budget in tokens, checked against the context length (prompt + completion).
 
     Raises:
-        RequestError: the prompt leaves no room, or ``requested`` exceeds the room left.
+        RequestError: the prompt is empty or leaves no room, or ``requested`` exceeds the room left.
     """
+    if prompt_tokens == 0:
+        raise RequestError(prompt_field, f"{prompt_field}: the prompt is empty (0 tokens)")
     remaining = max_seq_len - prompt_tokens
     if remaining < 1:
         raise RequestError(

@@ -21,6 +21,7 @@ from cluster.config import RdserveConfig
 from cluster.local_engine import build_engine
 from cluster.protocol import RequestError, resolve_max_tokens
 from cluster.router import choose_mode
+from workers.engine import GenerationDelta
 from workers.sampling import SamplingParams
 
 log = logging.getLogger("ray.serve")
@@ -62,7 +63,7 @@ class Failed:
     param: str | None = None
 
 
-@serve.deployment(ray_actor_options={"num_cpus": 1})
+@serve.deployment
 class EngineReplica:
     """Ray Serve deployment; ``generate`` streams ``Started``, then engine deltas, or one ``Failed``."""
 
@@ -81,7 +82,7 @@ class EngineReplica:
     async def _on_engine_thread(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
 
-    async def generate(self, req: EngineRequest) -> AsyncIterator[Started | Failed | object]:
+    async def generate(self, req: EngineRequest) -> AsyncIterator[Started | Failed | GenerationDelta]:
         self.load += 1
         try:
             async with contextlib.aclosing(self._generate(req)) as items:
@@ -93,7 +94,7 @@ class EngineReplica:
         finally:
             self.load -= 1
 
-    async def _generate(self, req: EngineRequest) -> AsyncIterator[Started | Failed | object]:
+    async def _generate(self, req: EngineRequest) -> AsyncIterator[Started | Failed | GenerationDelta]:
         prompt_field = "messages" if req.messages is not None else "prompt"
         try:
             if req.messages is not None:

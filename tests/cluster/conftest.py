@@ -14,7 +14,7 @@ import pytest
 
 from cluster.config import RdserveConfig, load_config
 
-MODEL_NAME = "tiny-llama"
+MODEL_NAME = "tiny-llama"  # tests/cluster/test_openai_api.py relies on these two values
 MAX_SEQ_LEN = 256
 
 

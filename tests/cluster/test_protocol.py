@@ -27,6 +27,8 @@ def test_budget_errors_name_the_field():
     with pytest.raises(RequestError, match="^prompt: the prompt has 100 tokens") as err:
         resolve_max_tokens(None, 100, 100, **FIELDS)
     assert err.value.param == "prompt"
+    with pytest.raises(RequestError, match="^prompt: the prompt is empty"):
+        resolve_max_tokens(None, 0, 100, **FIELDS)
 
 
 def test_chat_max_completion_tokens_takes_precedence():
