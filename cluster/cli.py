@@ -39,7 +39,7 @@ def _startable_config(path: Path) -> RdserveConfig:
         cfg = load_config(path)
         check_startable(cfg)
     except ConfigError as err:
-        err_console.print(f"[red]config error[/red] in {err}", markup=True, highlight=False)
+        err_console.print(f"[red]config error[/red]: {err}", highlight=False, soft_wrap=True)
         raise typer.Exit(2) from None
     return cfg
 
