@@ -35,11 +35,14 @@ def draft_beams(
         score, best first. With fewer distinct candidates than beams, beams may repeat.
     """
     device = context.device
-    vocab = drafter.config.vocab_size
+    ids = drafter.draft_vocab  # None, or [Vd]: drafter index -> token id
     tokens = torch.tensor([root_token], device=device)
     state = drafter.step_state(torch.zeros_like(context)[None], embed(tokens))  # [1, H]
-    logp = torch.log_softmax(drafter.logits(context[None], state), dim=-1)  # [1, V]
-    scores, top = logp[0].topk(num_beams)  # [num_beams]
+    logp = torch.log_softmax(drafter.logits(context[None], state), dim=-1)  # [1, V or Vd]
+    vocab = logp.shape[-1]
+    scores, top = logp[0].topk(min(num_beams, vocab))  # [num_beams]
+    num_beams = top.numel()
+    top = top if ids is None else ids[top]
     beams = torch.cat([tokens.expand(num_beams)[:, None], top[:, None]], dim=1)
     state = state.expand(num_beams, -1)
     ctx = context[None].expand(num_beams, -1)
@@ -49,6 +52,7 @@ def draft_beams(
         total = (scores[:, None] + logp).reshape(-1)
         scores, flat = total.topk(num_beams)
         parent, token = flat // vocab, flat % vocab
+        token = token if ids is None else ids[token]
         beams = torch.cat([beams[parent], token[:, None]], dim=1)
         state = state[parent]
     return beams

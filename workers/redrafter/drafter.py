@@ -29,6 +29,8 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
+DRAFT_VOCAB_FILE = "draft_vocab.json"
+
 
 @dataclass
 class DrafterConfig:
@@ -77,6 +79,24 @@ class ReDrafter(torch.nn.Module):
             self.out_proj = torch.nn.Linear(D, H, bias=False)
             self.register_buffer("base_lm_head", base_lm_head, persistent=False)
         self.lm_head = torch.nn.Sequential(*blocks)
+        self.draft_vocab: torch.Tensor | None = None
+        self._draft_head: torch.Tensor | None = None
+
+    def restrict_vocab(self, token_ids: torch.Tensor | None) -> None:
+        """Draft only from ``token_ids`` (``[Vd] long``), or from the whole vocabulary with ``None``.
+
+        The output layer then computes ``Vd`` logits instead of ``V`` (as FR-Spec, arXiv
+        2502.14856, does for EAGLE heads): on CPU the vocabulary projection dominates a draft
+        step. Verification is unchanged, so decoding stays exact; tokens outside the set are just
+        never drafted. ``logits`` then returns ``[..., Vd]`` scores and beam search maps indices
+        back through ``draft_vocab``.
+        """
+        if token_ids is None:
+            self.draft_vocab, self._draft_head = None, None
+            return
+        full = self.base_lm_head if self.config.head_type == "shared" else self.lm_head[-1].weight
+        self.draft_vocab = token_ids.to(full.device)
+        self._draft_head = full[self.draft_vocab].t().contiguous().t()
 
     def step_state(self, prev_state: torch.Tensor, token_embeds: torch.Tensor) -> torch.Tensor:
         """RNN update ``[..., H], [..., H] -> [..., H]`` (Sec. 3.1)."""
@@ -84,7 +104,13 @@ class ReDrafter(torch.nn.Module):
 
     def logits(self, context: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
         """Draft logits ``[..., V] float32`` from ``context`` ``[..., H]`` and ``state`` ``[..., H]``."""
-        x = self.lm_head(torch.cat([context, state], dim=-1))
+        x = torch.cat([context, state], dim=-1)
+        if self._draft_head is not None:
+            x = self.lm_head[: self.config.num_draft_layers](x)
+            if self.config.head_type == "shared":
+                x = self.out_proj(x)
+            return F.linear(x, self._draft_head).float()
+        x = self.lm_head(x)
         if self.config.head_type == "shared":
             x = F.linear(self.out_proj(x), self.base_lm_head)
         return x.float()
@@ -99,7 +125,8 @@ class ReDrafter(torch.nn.Module):
         return state
 
     def save(self, path: str | Path, apple_layout: bool = False) -> None:
-        """Write ``config.json`` and ``model.safetensors`` (Apple layout when ``apple_layout``)."""
+        """Write ``config.json`` and ``model.safetensors`` (Apple layout when ``apple_layout``), and
+        ``draft_vocab.json`` when the draft vocabulary is restricted."""
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         cfg = asdict(self.config)
@@ -111,10 +138,15 @@ class ReDrafter(torch.nn.Module):
             state = {k: v.detach().contiguous() for k, v in self.state_dict().items()}
         (path / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
         save_file(state, str(path / "model.safetensors"))
+        if self.draft_vocab is not None:
+            (path / DRAFT_VOCAB_FILE).write_text(json.dumps(self.draft_vocab.tolist()) + "\n")
 
 
-def load_drafter(path: str | Path, base_lm_head: torch.Tensor | None, dtype=torch.float32, device="cpu") -> ReDrafter:
-    """Load a drafter directory (ours or Apple's: ``config.json`` + ``model.safetensors``).
+def load_drafter(
+    path: str | Path, base_lm_head: torch.Tensor | None, dtype=torch.float32, device="cpu", use_draft_vocab: bool = True
+) -> ReDrafter:
+    """Load a drafter directory (ours or Apple's: ``config.json`` + ``model.safetensors``), with its
+    ``draft_vocab.json`` restriction when present and ``use_draft_vocab``.
 
     Raises:
         FileNotFoundError: missing files. ValueError: shape mismatch with the base model.
@@ -143,4 +175,12 @@ def load_drafter(path: str | Path, base_lm_head: torch.Tensor | None, dtype=torc
     for f in files:
         state.update(load_file(str(f)))
     drafter.load_state_dict(state, strict=True)
-    return drafter.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    drafter = drafter.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    if torch.device(device).type == "cpu":
+        from workers.models.loader import use_input_major_weights
+
+        use_input_major_weights(drafter)
+    vocab_file = path / DRAFT_VOCAB_FILE
+    if use_draft_vocab and vocab_file.is_file():
+        drafter.restrict_vocab(torch.tensor(json.loads(vocab_file.read_text()), dtype=torch.long))
+    return drafter

