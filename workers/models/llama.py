@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from workers.kv_cache import AttentionMetadata, KVCache
 from workers.models.config import LlamaConfig
-from workers.models.rope import RotaryEmbedding
+from workers.models.rope import RotaryEmbedding, apply_rotary
 
 
 class RMSNorm(torch.nn.Module):
@@ -42,14 +42,14 @@ class Attention(torch.nn.Module):
         self.qkv_proj = torch.nn.Linear(cfg.hidden_size, out, bias=cfg.attention_bias)
         self.o_proj = torch.nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=False)
 
-    def forward(self, x, positions, rope, cache: KVCache, meta: AttentionMetadata):
+    def forward(self, x, rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache, meta: AttentionMetadata):
         B, T, _ = x.shape
         qkv = self.qkv_proj(x)
         q_size, kv_size = self.n_heads * self.head_dim, self.n_kv * self.head_dim
         q = qkv[..., :q_size].view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
         k = qkv[..., q_size : q_size + kv_size].view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
         v = qkv[..., q_size + kv_size :].view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
-        q, k = rope(positions, q, k)
+        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         cache.write(self.layer, meta.rows, meta.slots, k, v)
         keys, values = cache.read(self.layer, meta.row_ids, meta.kv_len)
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=meta.mask, enable_gqa=True)
@@ -78,8 +78,8 @@ class DecoderLayer(torch.nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, positions, rope, cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, cache, meta)
+    def forward(self, x, rope, cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), rope, cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -116,8 +116,9 @@ class LlamaModel(torch.nn.Module):
             hidden: ``[B, T, hidden_size]`` after the final RMSNorm.
         """
         x = self.embed_tokens(input_ids)
+        rope = self.rotary(positions, x.dtype)
         for layer in self.layers:
-            x = layer(x, positions, self.rotary, cache, meta)
+            x = layer(x, rope, cache, meta)
         return self.norm(x)
 
 
