@@ -58,11 +58,14 @@ def load_examples(shard_dir: Path, draft_len: int) -> TrainExamples:
 
 
 def drafter_loss(
-    drafter: ReDrafter, embed: torch.Tensor, contexts: torch.Tensor, windows: torch.Tensor
+    drafter: ReDrafter, embed: torch.Tensor, contexts: torch.Tensor, windows: torch.Tensor,
+    to_draft: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean cross-entropy over drafted positions, and top-1 accuracy per position ``[K]``.
 
     contexts ``[B, H]``; windows ``[B, K + 1] long`` (-100 where past the end of a response).
+    ``to_draft`` (``[V] long``) maps token ids to draft-vocabulary indices (-100 outside it) when
+    the drafter's vocabulary is restricted; such targets count as misses and carry no loss.
     """
     K = windows.shape[1] - 1
     state = torch.zeros_like(contexts)
@@ -72,6 +75,8 @@ def drafter_loss(
         state = drafter.step_state(state, F.embedding(inp, embed))
         logits = drafter.logits(contexts, state)
         target = windows[:, k + 1]
+        if to_draft is not None:
+            target = torch.where(target >= 0, to_draft[target.clamp(min=0)], target)
         losses.append(F.cross_entropy(logits, target, ignore_index=-100, reduction="sum"))
         valid = target >= 0
         correct.append(((logits.argmax(-1) == target) & valid).sum() / valid.sum().clamp(min=1))
@@ -108,6 +113,17 @@ def train_drafter(
         for block in drafter.lm_head:
             if hasattr(block, "linear"):
                 block.linear.weight.mul_(0.1)
+        if head_type == "shared":  # start from the base head applied to the context: sane logit scale
+            drafter.out_proj.weight.zero_()
+            drafter.out_proj.weight[:, : cfg.hidden_size] = torch.eye(cfg.hidden_size)
+    coverage, to_draft = None, None
+    restrict = 0 < draft_vocab_size < cfg.vocab_size
+    if restrict:
+        vocab, coverage = frequent_tokens(examples.windows[:, 1:], cfg.vocab_size, draft_vocab_size)
+    if restrict and head_type == "shared":  # train on the draft vocabulary (the frozen base head's rows)
+        drafter.restrict_vocab(vocab)
+        to_draft = torch.full((cfg.vocab_size,), -100, dtype=torch.long)
+        to_draft[vocab] = torch.arange(len(vocab))
     opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / 100) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps))
@@ -130,7 +146,7 @@ def train_drafter(
     for step in bar:
         idx = train_idx[torch.tensor([rng.randrange(len(train_idx)) for _ in range(batch_size)])]
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss, acc = drafter_loss(drafter, embed, examples.contexts[idx].float(), examples.windows[idx])
+            loss, acc = drafter_loss(drafter, embed, examples.contexts[idx].float(), examples.windows[idx], to_draft)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
@@ -148,12 +164,10 @@ def train_drafter(
     with torch.no_grad():
         accs = []
         for chunk in held.split(512):
-            _, acc = drafter_loss(drafter, embed, examples.contexts[chunk].float(), examples.windows[chunk])
+            _, acc = drafter_loss(drafter, embed, examples.contexts[chunk].float(), examples.windows[chunk], to_draft)
             accs.append(acc)
         acc = torch.stack(accs).mean(0)
-    coverage = None
-    if 0 < draft_vocab_size < cfg.vocab_size:
-        vocab, coverage = frequent_tokens(examples.windows[:, 1:], cfg.vocab_size, draft_vocab_size)
+    if restrict and head_type == "full":
         drafter.restrict_vocab(vocab)
     drafter.save(out_dir)
     report = {
