@@ -58,7 +58,7 @@ class EngineConfig(_Section):
     num_beams: int = Field(4, ge=1, le=16, description="ReDrafter beams drafted per step")
     draft_len_per_beam: int = Field(4, ge=1, le=16, description="draft tokens per beam")
     max_seq_len: int = Field(2048, ge=16, description="context length: prompt + completion tokens")
-    num_threads: int | None = Field(None, ge=1, description="torch intra-op threads; null = torch default")
+    num_threads: int | None = Field(None, ge=1, description="torch intra-op threads; null = cores / replicas")
 
 
 class RouterConfig(_Section):

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import os
+
 from cluster.config import RdserveConfig
 
 
 def build_engine(cfg: RdserveConfig):
     """Load model and drafter per ``cfg``; a null ``model.path`` pulls the default model (cached).
+
+    A null ``engine.num_threads`` shares the machine's cores among the replicas (Ray would
+    otherwise give each actor ``OMP_NUM_THREADS=1``).
 
     Returns a ``workers.engine.Engine``.
     """
@@ -19,5 +24,5 @@ def build_engine(cfg: RdserveConfig):
     return Engine(
         str(model_dir), str(drafter_dir) if drafter_dir else None, device=eng.device, dtype=eng.dtype,
         num_beams=eng.num_beams, draft_len_per_beam=eng.draft_len_per_beam, max_seq_len=eng.max_seq_len,
-        num_threads=eng.num_threads,
+        num_threads=eng.num_threads or max(1, (os.cpu_count() or 1) // cfg.serve.replicas),
     )
