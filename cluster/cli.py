@@ -15,6 +15,7 @@ import typer
 from rich.console import Console
 
 from cluster.config import ConfigError, RdserveConfig, check_startable, load_config
+from cluster.evaluation.bench_cli import bench
 from workers.training.cli import drafter_app
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "local.yaml"
@@ -25,6 +26,7 @@ app = typer.Typer(help="LLM serving with ReDrafter speculative decoding (Ray Ser
 model_app = typer.Typer(help="Manage the default model (SmolLM2-135M-Instruct).", no_args_is_help=True)
 app.add_typer(model_app, name="model")
 app.add_typer(drafter_app, name="drafter")
+app.command("bench")(bench)
 
 console = Console()
 err_console = Console(stderr=True)
