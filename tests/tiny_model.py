@@ -18,8 +18,11 @@ from workers.redrafter.drafter import DrafterConfig, ReDrafter
 
 
 def make_tiny_model_dir(path: str | Path, seed: int = 0, *, layers: int = 2, hidden: int = 64,
-                        heads: int = 4, kv_heads: int = 2, tie: bool = True) -> Path:
-    """Save a random ``LlamaForCausalLM`` (Hugging Face format) plus tokenizer to ``path``."""
+                        heads: int = 4, kv_heads: int = 2, tie: bool = True, scale: float = 1.0) -> Path:
+    """Save a random ``LlamaForCausalLM`` (Hugging Face format) plus tokenizer to ``path``.
+
+    ``scale`` is the final RMSNorm weight, so it multiplies every logit.
+    """
     path = Path(path)
     tok = make_tiny_tokenizer()
     cfg = HFLlamaConfig(
@@ -35,6 +38,7 @@ def make_tiny_model_dir(path: str | Path, seed: int = 0, *, layers: int = 2, hid
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.fill_(1.0)
+        model.model.norm.weight.fill_(scale)
     model.save_pretrained(path, safe_serialization=True)
     tok.save_pretrained(str(path))
     return path
@@ -54,3 +58,31 @@ def make_tiny_drafter_dir(model_dir: str | Path, path: str | Path, seed: int = 0
             p.normal_(0, 0.1)
     drafter.save(path)
     return Path(path)
+
+
+def make_trained_tiny_drafter_dir(model_dir: str | Path, path: str | Path, seed: int = 0, *,
+                                  num_prompts: int = 256, response_len: int = 32, steps: int = 800) -> Path:
+    """Train a ``shared`` ReDrafter head on the model's own greedy responses with the real
+    self-distillation code (``distill_data.generate_dataset``, ``train.load_examples``,
+    ``train.train_drafter``) and save it to ``path``.
+
+    Prompts are random token ids (lengths 1..30, special ids 0-2 excluded); shards go to
+    ``path/shards``.
+    """
+    import random
+
+    from workers.models.loader import load_model
+    from workers.training.distill_data import generate_dataset
+    from workers.training.train import load_examples, train_drafter
+
+    path = Path(path)
+    base = load_model(model_dir)
+    rng = random.Random(seed)
+    vocab = base.config.vocab_size
+    prompts = [{"prompt_ids": [rng.randrange(3, vocab) for _ in range(rng.randint(1, 30))]}
+               for _ in range(num_prompts)]
+    shards = path / "shards"
+    generate_dataset(base, prompts, shards, response_len, batch_size=32, eos_ids=set(base.config.eos_token_id))
+    examples = load_examples(shards, draft_len=4)
+    train_drafter(base, examples, path, steps=steps, batch_size=64, lr=3e-3, checkpoint_every=10**9, seed=seed)
+    return path
