@@ -16,6 +16,7 @@ from rich.console import Console
 
 from cluster.config import ConfigError, RdserveConfig, check_startable, load_config
 from cluster.evaluation.bench_cli import bench
+from cluster.evaluation.eval_cli import evaluate
 from workers.training.cli import drafter_app
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "local.yaml"
@@ -27,6 +28,7 @@ model_app = typer.Typer(help="Manage the default model (SmolLM2-135M-Instruct)."
 app.add_typer(model_app, name="model")
 app.add_typer(drafter_app, name="drafter")
 app.command("bench")(bench)
+app.command("eval")(evaluate)
 
 console = Console()
 err_console = Console(stderr=True)
