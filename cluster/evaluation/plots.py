@@ -41,6 +41,7 @@ def plot_load(staged: dict, path: Path) -> Path:
         for mode, summaries in staged["closed_loop"].items():
             ax.plot(levels, [get(s) for s in summaries], marker="o", label=mode)
         ax.set_xscale("log", base=2)
+        ax.set_xticks(levels, [str(level) for level in levels])
         ax.set_xlabel("concurrency")
         ax.set_ylabel(label)
         ax.legend(fontsize="small")
