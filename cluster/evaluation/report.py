@@ -92,7 +92,8 @@ def _staged(s: dict) -> list[str]:
     rows = [(f"{mode} c={level}", summ) for mode, summaries in s["closed_loop"].items()
             for level, summ in zip(s["levels"], summaries)]
     if s.get("open_loop"):
-        rows += [(f"{mode} rate={s['open_loop']['rate']:g}/s", summ) for mode, summ in s["open_loop"]["by_mode"].items()]
+        rate = s["open_loop"]["rate"]
+        rows += [(f"{mode} rate={rate:g}/s", summ) for mode, summ in s["open_loop"]["by_mode"].items()]
     lines = [f"SLOs: `{json.dumps(s['slo'])}`", "", *_summary_rows(rows), "", "![load](load.png)"]
     d = s.get("decision")
     if d:

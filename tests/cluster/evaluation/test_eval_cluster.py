@@ -56,7 +56,8 @@ def test_eval_all_steps_on_the_tiny_cluster(base_url, tiny_config_path, tmp_path
     assert (out / "router.yaml").read_text() == decision["router_yaml"]
 
     report = (out / "report.md").read_text()
-    for heading in ("1. Baseline", "2. Compatibility", "3. Acceptance", "4. Quality", "5. Staged load", "spec_max_load"):
+    headings = ("1. Baseline", "2. Compatibility", "3. Acceptance", "4. Quality", "5. Staged load", "spec_max_load")
+    for heading in headings:
         assert heading in report
     assert (out / "acceptance.png").stat().st_size > 0 and (out / "load.png").stat().st_size > 0
 
