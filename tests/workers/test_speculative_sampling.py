@@ -1,0 +1,99 @@
+"""Speculative sampling keeps the base model's distribution (ReDrafter arXiv 2403.09919 Sec. 3.3,
+with the exact acceptance rule for beam-search drafts in ``workers/redrafter/acceptance.py``).
+
+Many seeded runs of spec and plain decoding on the tiny model (self-distilled drafter) are compared
+with two-sample chi-square tests per output position and on (token 2, token 3) pairs. Master seeds
+are fixed, so the test is deterministic.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+from scipy.stats import chi2_contingency
+
+from workers.engine import Engine
+from workers.sampling import SamplingParams
+
+RUNS = 1200
+MAX_TOKENS = 4
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dirs, trained_drafter_dirs):
+    return Engine(str(tiny_model_dirs["tied_sharp"]), str(trained_drafter_dirs["tied_sharp"]),
+                  num_beams=4, draft_len_per_beam=3, max_seq_len=128)
+
+
+def outputs(engine: Engine, prompt: list[int], params: SamplingParams, mode: str, master_seed: int):
+    """``(list of output token tuples, number of runs with an accepted draft token)``."""
+    seeds = random.Random(master_seed).sample(range(10**9), RUNS)
+    results, runs_with_accepts = [], 0
+    for seed in seeds:
+        deltas = list(engine.generate(prompt, SamplingParams(**{**params.__dict__, "seed": seed}), mode))
+        results.append(tuple(t for d in deltas for t in d.token_ids))
+        runs_with_accepts += deltas[-1].accepted_draft_tokens > 0
+    return results, runs_with_accepts
+
+
+def chi2_pvalue(a: Counter, b: Counter, min_count: int = 10) -> float:
+    """Two-sample chi-square p-value; categories with fewer than ``min_count`` pooled counts are
+    merged into one bucket (dropped if that bucket is still too small)."""
+    keys = [k for k in a.keys() | b.keys() if a[k] + b[k] >= min_count]
+    rare = [k for k in a.keys() | b.keys() if a[k] + b[k] < min_count]
+    table = [[a[k] for k in keys], [b[k] for k in keys]]
+    if sum(a[k] + b[k] for k in rare) >= min_count:
+        table[0].append(sum(a[k] for k in rare))
+        table[1].append(sum(b[k] for k in rare))
+    if len(table[0]) < 2:
+        return 1.0
+    return chi2_contingency(table)[1]
+
+
+@pytest.mark.parametrize(
+    "params, prompt_seed",
+    [
+        (SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, ignore_eos=True), 3),
+        (SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, top_k=20, top_p=0.9, ignore_eos=True), 5),
+    ],
+    ids=["temperature", "top_k_top_p"],
+)
+def test_spec_sampling_matches_plain_distribution(engine, params, prompt_seed):
+    rng = random.Random(prompt_seed)
+    prompt = [rng.randrange(3, len(engine.tokenizer)) for _ in range(12)]
+    spec, spec_accepting = outputs(engine, prompt, params, "spec", master_seed=1)
+    plain, _ = outputs(engine, prompt, params, "plain", master_seed=2)
+    assert all(len(o) == MAX_TOKENS for o in spec + plain)
+    assert spec_accepting >= RUNS // 4, f"drafts accepted in only {spec_accepting}/{RUNS} runs"
+    for pos in range(MAX_TOKENS):
+        a, b = Counter(o[pos] for o in spec), Counter(o[pos] for o in plain)
+        assert len(a | b) >= 2, "degenerate distribution: the test would be vacuous"
+        p = chi2_pvalue(a, b)
+        assert p > 1e-3, f"position {pos}: p={p:.2e}"
+    p = chi2_pvalue(Counter(o[2:4] for o in spec), Counter(o[2:4] for o in plain))
+    assert p > 1e-3, f"(token 2, token 3) pairs: p={p:.2e}"
+
+
+def test_spec_sampling_detects_a_biased_sampler(engine):
+    """The comparison has power: plain runs at a different temperature are told apart."""
+    rng = random.Random(3)
+    prompt = [rng.randrange(3, len(engine.tokenizer)) for _ in range(12)]
+    a, _ = outputs(engine, prompt, SamplingParams(max_tokens=2, temperature=0.8, ignore_eos=True), "plain", 1)
+    b, _ = outputs(engine, prompt, SamplingParams(max_tokens=2, temperature=1.0, ignore_eos=True), "plain", 2)
+    assert chi2_pvalue(Counter(o[1] for o in a), Counter(o[1] for o in b)) < 1e-3
+
+
+@pytest.mark.parametrize("mode", ["spec", "plain"])
+def test_seeded_sampling_is_deterministic(engine, mode):
+    rng = random.Random(9)
+    prompt = [rng.randrange(3, len(engine.tokenizer)) for _ in range(12)]
+    runs = {}
+    for seed in range(8):
+        params = SamplingParams(max_tokens=12, temperature=0.8, seed=seed, ignore_eos=True)
+        first = [t for d in engine.generate(prompt, params, mode) for t in d.token_ids]
+        second = [t for d in engine.generate(prompt, params, mode) for t in d.token_ids]
+        assert first == second, f"seed {seed}"
+        runs[seed] = tuple(first)
+    assert len(set(runs.values())) > 1, "different seeds gave one output: the seed is not used"
