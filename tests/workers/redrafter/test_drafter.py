@@ -1,0 +1,116 @@
+"""The ReDrafter head: export of a ``shared`` head to Apple's layout, and beam search.
+
+Beam search is checked against brute-force enumeration of every draft sequence on a tiny vocabulary
+(ReDrafter arXiv 2403.09919 Sec. 3.2: beams are scored by the sum of draft log-probabilities).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from workers.redrafter.beam_search import draft_beams
+from workers.redrafter.drafter import DrafterConfig, ReDrafter, load_drafter
+
+
+def random_drafter(vocab: int, hidden: int, layers: int, head_type: str, seed: int = 0, std: float = 0.5):
+    """``(drafter, base_lm_head [V, H], embedding)`` with random weights of standard deviation ``std``."""
+    gen = torch.Generator().manual_seed(seed)
+    lm_head = torch.randn(vocab, hidden, generator=gen) * std
+    embed = torch.nn.Embedding(vocab, hidden)
+    torch.manual_seed(seed)
+    drafter = ReDrafter(DrafterConfig(vocab, hidden, layers, head_type), lm_head if head_type == "shared" else None)
+    with torch.no_grad():
+        for p in [*drafter.parameters(), embed.weight]:
+            p.normal_(0, std)
+    return drafter.eval(), lm_head, embed
+
+
+@pytest.mark.parametrize("layers", [1, 2, 3])
+def test_apple_layout_export_loads_with_equal_logits(tmp_path, layers):
+    drafter, lm_head, _ = random_drafter(vocab=50, hidden=16, layers=layers, head_type="shared", std=0.2)
+    state = drafter.export_apple_state_dict()
+    expected = {"rnn_u.weight", "rnn_u.bias", "rnn_w.weight", f"lm_head.{layers}.weight"}
+    expected |= {f"lm_head.{i}.linear.{p}" for i in range(layers) for p in ("weight", "bias")}
+    assert set(state) == expected
+    assert state[f"lm_head.{layers}.weight"].shape == (50, 32)
+
+    drafter.save(tmp_path / "apple", apple_layout=True)
+    drafter.save(tmp_path / "ours")
+    apple = load_drafter(tmp_path / "apple", lm_head)
+    ours = load_drafter(tmp_path / "ours", lm_head)
+    assert apple.config.head_type == "full" and ours.config.head_type == "shared"
+    gen = torch.Generator().manual_seed(1)
+    context, state_in = torch.randn(64, 16, generator=gen), torch.randn(64, 16, generator=gen)
+    tokens = torch.randn(64, 16, generator=gen)
+    with torch.no_grad():
+        want = drafter.logits(context, drafter.step_state(state_in, tokens))
+        for loaded in (apple, ours):
+            got = loaded.logits(context, loaded.step_state(state_in, tokens))
+            assert torch.allclose(got, want, atol=1e-5, rtol=0)
+    assert want.std() > 0.3  # logits are not flat, so the comparison means something
+
+
+def test_load_rejects_mismatched_base_model(tmp_path):
+    drafter, _, _ = random_drafter(vocab=50, hidden=16, layers=2, head_type="shared")
+    drafter.save(tmp_path / "d")
+    with pytest.raises(ValueError):
+        load_drafter(tmp_path / "d", torch.zeros(51, 16))
+
+
+def sequence_score(drafter: ReDrafter, embed, context: torch.Tensor, root: int, seq: tuple[int, ...]) -> float:
+    """Sum of draft log-probabilities of ``seq`` after ``root`` (the quantity beam search ranks)."""
+    state = torch.zeros(1, context.shape[-1])
+    prev, total = root, 0.0
+    for token in seq:
+        state = drafter.step_state(state, embed(torch.tensor([prev])))
+        total += float(torch.log_softmax(drafter.logits(context[None], state), -1)[0, token])
+        prev = token
+    return total
+
+
+def check_exhaustive(head_type: str, seed: int, vocab: int, draft_len: int) -> None:
+    """With ``num_beams = vocab ** (draft_len - 1)`` beam search keeps every prefix, so its beams
+    are exactly the ``num_beams`` best sequences of all ``vocab ** draft_len``, best first."""
+    root = 2
+    drafter, _, embed = random_drafter(vocab=vocab, hidden=8, layers=2, head_type=head_type, seed=seed)
+    context = torch.randn(8, generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        scores = {seq: sequence_score(drafter, embed, context, root, seq)
+                  for seq in itertools.product(range(vocab), repeat=draft_len)}
+        num_beams = vocab ** (draft_len - 1)
+        beams = draft_beams(drafter, embed, context, root, num_beams, draft_len)
+    assert beams.shape == (num_beams, draft_len + 1)
+    assert (beams[:, 0] == root).all()
+    rows = [tuple(r[1:]) for r in beams.tolist()]
+    assert rows[0] == max(scores, key=scores.get)
+    assert rows == sorted(scores, key=scores.get, reverse=True)[:num_beams]
+
+
+@pytest.mark.parametrize("head_type", ["shared", "full"])
+@pytest.mark.parametrize("seed", range(4))
+def test_exhaustive_beam_search_two_draft_tokens(head_type, seed):
+    check_exhaustive(head_type, seed, vocab=5, draft_len=2)
+
+
+@pytest.mark.xfail(strict=True, reason="draft_beams caps the beam width at the vocabulary size after "
+                   "the first token: 25 beams on vocab 5 return 5 rows (docstring: [num_beams, ...])")
+@pytest.mark.parametrize("head_type", ["shared", "full"])
+def test_exhaustive_beam_search_three_draft_tokens(head_type):
+    check_exhaustive(head_type, 0, vocab=5, draft_len=3)
+
+
+@pytest.mark.parametrize("num_beams, draft_len", [(1, 1), (3, 4), (8, 2), (4, 6)])
+def test_beam_shapes_root_and_distinct_beams(num_beams, draft_len):
+    vocab = 30
+    drafter, _, embed = random_drafter(vocab=vocab, hidden=8, layers=2, head_type="shared", seed=5)
+    context = torch.randn(8, generator=torch.Generator().manual_seed(6))
+    beams = draft_beams(drafter, embed, context, 7, num_beams, draft_len)
+    assert beams.shape == (num_beams, draft_len + 1) and beams.dtype == torch.long
+    assert (beams[:, 0] == 7).all()
+    assert len({tuple(r) for r in beams.tolist()}) == num_beams
+    with torch.no_grad():
+        scores = [sequence_score(drafter, embed, context, 7, tuple(r[1:])) for r in beams.tolist()]
+    assert all(a >= b - 1e-5 for a, b in zip(scores, scores[1:])), "beams not ordered by score"
