@@ -30,7 +30,8 @@ class _BuiltOnDemand(dict):
         self._build = build
 
     def __missing__(self, key):
-        self[key] = value = self._build(key)
+        with torch.inference_mode(False), torch.enable_grad():  # training may be first asked for there
+            self[key] = value = self._build(key)
         return value
 
 
