@@ -32,7 +32,8 @@ def draft_beams(
     Returns:
         beams: ``[num_beams, draft_len_per_beam + 1] long``; column 0 is ``root_token``. Beam
         scores (sum of draft log-probabilities) are accumulated in float32; beams are ordered by
-        score, best first. With fewer distinct candidates than beams, beams may repeat.
+        score, best first. While fewer than ``num_beams`` sequences exist (a vocabulary smaller
+        than the beam count), fewer beams are returned.
     """
     device = context.device
     ids = drafter.draft_vocab  # None, or [Vd]: drafter index -> token id
@@ -40,17 +41,17 @@ def draft_beams(
     state = drafter.step_state(torch.zeros_like(context)[None], embed(tokens))  # [1, H]
     logp = torch.log_softmax(drafter.logits(context[None], state), dim=-1)  # [1, V or Vd]
     vocab = logp.shape[-1]
-    scores, top = logp[0].topk(min(num_beams, vocab))  # [num_beams]
-    num_beams = top.numel()
+    scores, top = logp[0].topk(min(num_beams, vocab))  # [width]
+    width = top.numel()
     top = top if ids is None else ids[top]
-    beams = torch.cat([tokens.expand(num_beams)[:, None], top[:, None]], dim=1)
-    state = state.expand(num_beams, -1)
-    ctx = context[None].expand(num_beams, -1)
+    beams = torch.cat([tokens.expand(width)[:, None], top[:, None]], dim=1)
+    state = state.expand(width, -1)
     for _ in range(draft_len_per_beam - 1):
         state = drafter.step_state(state, embed(beams[:, -1]))
-        logp = torch.log_softmax(drafter.logits(ctx, state), dim=-1)  # [num_beams, V]
+        logp = torch.log_softmax(drafter.logits(context[None].expand(width, -1), state), dim=-1)  # [width, V]
         total = (scores[:, None] + logp).reshape(-1)
-        scores, flat = total.topk(num_beams)
+        scores, flat = total.topk(min(num_beams, total.numel()))
+        width = flat.numel()
         parent, token = flat // vocab, flat % vocab
         token = token if ids is None else ids[token]
         beams = torch.cat([beams[parent], token[:, None]], dim=1)

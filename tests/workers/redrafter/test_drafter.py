@@ -95,8 +95,6 @@ def test_exhaustive_beam_search_two_draft_tokens(head_type, seed):
     check_exhaustive(head_type, seed, vocab=5, draft_len=2)
 
 
-@pytest.mark.xfail(strict=True, reason="draft_beams caps the beam width at the vocabulary size after "
-                   "the first token: 25 beams on vocab 5 return 5 rows (docstring: [num_beams, ...])")
 @pytest.mark.parametrize("head_type", ["shared", "full"])
 def test_exhaustive_beam_search_three_draft_tokens(head_type):
     check_exhaustive(head_type, 0, vocab=5, draft_len=3)
