@@ -27,6 +27,18 @@ def _read_prompts(path: Path) -> list[dict]:
     return rows
 
 
+def _balanced(rows: list[dict], n: int) -> list[dict]:
+    """Up to ``n`` rows taken round-robin across categories (so every category is measured)."""
+    by_cat: dict[str, list[dict]] = {}
+    for r in rows:
+        by_cat.setdefault(r.get("category", "unknown"), []).append(r)
+    out, i = [], 0
+    while len(out) < n and any(i < len(v) for v in by_cat.values()):
+        out += [v[i] for v in by_cat.values() if i < len(v)][: n - len(out)]
+        i += 1
+    return out
+
+
 @drafter_app.command("train")
 def train(
     out: Path = typer.Option(..., help="Output directory for the drafter (config.json, model.safetensors, report)."),
@@ -34,6 +46,8 @@ def train(
     prompts: Optional[Path] = typer.Option(None, help="JSONL prompts ('prompt' or 'messages', optional 'category'). Default: built-in sources."),
     datasets_dir: Optional[Path] = typer.Option(None, help="Directory with gsm8k/ and humaneval/ subsets for the built-in sources."),
     data_dir: Optional[Path] = typer.Option(None, help="Where generated self-distillation shards go (resumable). Default: OUT/data."),
+    max_prompts: int = typer.Option(0, help="Use only the first N training prompts (0: all)."),
+    max_prompt_tokens: int = typer.Option(400, help="Skip prompts longer than this (tokens)."),
     max_new_tokens: int = typer.Option(256, help="Response length cap for data generation (tokens)."),
     gen_batch_size: int = typer.Option(48, help="Sequences decoded together during data generation."),
     steps: int = typer.Option(3000, help="Optimizer steps."),
@@ -72,6 +86,9 @@ def train(
         held_rows = build_prompts(datasets_dir, "heldout")
     for r in train_rows:
         r["prompt_ids"] = apply_chat_template(tok, r["messages"]) if "messages" in r else tok(r["prompt"])["input_ids"]
+    train_rows = [r for r in train_rows if len(r["prompt_ids"]) <= max_prompt_tokens]
+    if max_prompts:
+        train_rows = train_rows[:max_prompts]
     eos = set(base.config.eos_token_id) | ({tok.eos_token_id} if tok.eos_token_id is not None else set())
     data = data_dir or out / "data"
     console.print(f"[bold]1/3[/] generating responses for {len(train_rows)} prompts into {data}")
@@ -82,10 +99,10 @@ def train(
                            steps=steps, batch_size=batch_size, lr=lr,
                            draft_vocab_size=draft_vocab_size)
     if eval_prompts > 0 and held_rows:
-        console.print(f"[bold]3/3[/] held-out tokens per step on {min(eval_prompts, len(held_rows))} prompts")
+        console.print(f"[bold]3/3[/] held-out tokens per step on up to {eval_prompts} prompts")
         del base
         engine = Engine(str(model_dir), str(out), num_beams=num_beams, draft_len_per_beam=draft_len_per_beam)
-        report["heldout_tokens_per_step"] = tokens_per_step_by_category(engine, held_rows[:eval_prompts], 128)
+        report["heldout_tokens_per_step"] = tokens_per_step_by_category(engine, _balanced(held_rows, eval_prompts), 128)
         report["heldout_beam_shape"] = {"num_beams": num_beams, "draft_len_per_beam": draft_len_per_beam}
         (out / "train_report.json").write_text(json.dumps(report, indent=2) + "\n")
         table = Table("category", "prompts", "tokens/step")

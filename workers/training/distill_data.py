@@ -7,7 +7,9 @@ the position before ``y_i`` (the state whose LM-head argmax is ``y_i``). A draft
 accepted token and the root token the base model chose.
 
 Generation is batched (``batch_size`` rows decoded together with per-row lengths) and resumable:
-each finished batch is one ``shard-XXXXX.pt`` file in the output directory.
+prompts are taken in chunks of ``chunk_size`` in the given order, each chunk sorted by length and
+batched; each finished batch is one ``shard-CCC-BBBBB.pt`` file. Extending the prompt list keeps
+the chunks already generated, so more data can be added later.
 """
 
 from __future__ import annotations
@@ -75,15 +77,19 @@ def generate_dataset(
     max_new_tokens: int,
     batch_size: int,
     eos_ids: set[int],
+    chunk_size: int = 960,
 ) -> None:
-    """Write ``shard-XXXXX.pt`` files ``{"prompt_ids", "response_ids", "hiddens", "category"}``; skips
+    """Write shard files ``[{"prompt_ids", "response_ids", "hiddens", "category"}, ...]``; skips
     shards that already exist (resume)."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]["prompt_ids"]))
-    batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
-    bar = tqdm(batches, desc="self-distillation data", unit="batch")
-    for n, batch in enumerate(bar):
-        shard = out_dir / f"shard-{n:05d}.pt"
+    jobs = []
+    for c, start in enumerate(range(0, len(prompts), chunk_size)):
+        chunk = range(start, min(start + chunk_size, len(prompts)))
+        order = sorted(chunk, key=lambda i: len(prompts[i]["prompt_ids"]))
+        jobs += [(c, n, order[i : i + batch_size]) for n, i in enumerate(range(0, len(order), batch_size))]
+    bar = tqdm(jobs, desc="self-distillation data", unit="batch")
+    for c, n, batch in bar:
+        shard = out_dir / f"shard-{c:03d}-{n:05d}.pt"
         if shard.exists():
             continue
         results = generate_batch(model, [prompts[i]["prompt_ids"] for i in batch], max_new_tokens, eos_ids)
