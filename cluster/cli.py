@@ -71,7 +71,9 @@ def up(config: Path = ConfigOption) -> None:
 
     from cluster.app import deploy
 
-    ray.init(include_dashboard=False, logging_level=logging.WARNING)
+    local_only = cfg.serve.host in ("127.0.0.1", "localhost")  # keep Ray's own ports on loopback too
+    ray.init(include_dashboard=False, logging_level=logging.WARNING,
+             **({"_node_ip_address": "127.0.0.1"} if local_only else {}))
     stop = threading.Event()
 
     def request_stop(*_) -> None:  # the first signal shuts down cleanly; a second one is not caught
@@ -168,9 +170,16 @@ def _read_prompts(path: Path) -> list[dict]:
     for n, line in enumerate(path.read_text().splitlines(), start=1):
         if not line.strip():
             continue
-        item = json.loads(line)
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as err:
+            err_console.print(f"{path}:{n}: not valid JSON ({err.msg})")
+            raise typer.Exit(2) from None
         if not isinstance(item, dict) or ("prompt" in item) == ("messages" in item):
             err_console.print(f"{path}:{n}: each line needs exactly one of 'prompt' and 'messages'")
+            raise typer.Exit(2)
+        if not item.get("prompt", True) or not item.get("messages", True):
+            err_console.print(f"{path}:{n}: the prompt is empty")
             raise typer.Exit(2)
         items.append(item)
     return items

@@ -160,3 +160,5 @@ def check_startable(cfg: RdserveConfig, cuda_available: bool | None = None) -> N
     for field, path in (("model.path", cfg.model.path), ("drafter.path", cfg.drafter.path)):
         if path is not None and not path.is_dir():
             raise ConfigError(f"{field}: directory not found: {path}")
+        if path is not None and not (path / "config.json").is_file():
+            raise ConfigError(f"{field}: {path} has no config.json (not a model/drafter directory)")

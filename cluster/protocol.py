@@ -7,7 +7,8 @@ Extensions beyond the OpenAI API:
 - ``rdserve: {"mode", "reason", "num_steps", "accepted_draft_tokens", "tokens_per_step"}`` on
   responses (streaming: on the chunk that carries ``finish_reason``).
 
-``max_tokens`` absent means the remaining context, capped at ``DEFAULT_MAX_TOKENS``.
+``max_tokens`` absent means 16 for completions (OpenAI's default) and, for chat completions, the
+remaining context capped at ``DEFAULT_MAX_TOKENS`` (1024).
 Unknown request fields are ignored, as OpenAI-compatible servers commonly do.
 """
 
@@ -20,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from workers.sampling import SamplingParams
 
 DEFAULT_MAX_TOKENS = 1024
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
 class RequestError(ValueError):
@@ -77,10 +79,10 @@ class _GenerationRequest(BaseModel):
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -139,6 +141,7 @@ class ChatCompletionRequest(_GenerationRequest):
 
 class CompletionRequest(_GenerationRequest):
     prompt: str | list[str]
+    max_tokens: int | None = Field(COMPLETIONS_DEFAULT_MAX_TOKENS, ge=1)
 
     @field_validator("prompt")
     @classmethod

@@ -145,13 +145,16 @@ class Engine:
                     self.drafter, self.model.model.embed_tokens, hidden, root, self.num_beams, draft_len
                 )
                 tokens, hidden = speculative_step(self.model, cache, beams, params, generator)
-                accepted += len(tokens) - 1
             else:
                 tokens, hidden = plain_step(self.model, cache, root, params, generator)
             steps += 1
             produced += len(tokens)
             root = tokens[-1]
+            emitted = len(stream.token_ids)
             d = delta(tokens)
+            # accepted draft tokens that were emitted (a stop inside the block drops the rest)
+            accepted += min(len(tokens) - 1, d.completion_tokens - emitted)
+            d.accepted_draft_tokens = accepted
             yield d
 
     def _prefill(self, prompt_ids: list[int], cache) -> torch.Tensor:

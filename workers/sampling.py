@@ -40,7 +40,8 @@ def adjusted_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     if params.greedy:
         one_hot = torch.zeros_like(logits, dtype=torch.float32)
         return one_hot.scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
-    scaled = logits.float() / params.temperature
+    logits = logits.float()
+    scaled = (logits - logits.amax(dim=-1, keepdim=True)) / params.temperature  # no inf/inf at tiny T
     if params.top_k <= 0 and params.top_p >= 1.0:
         return torch.softmax(scaled, dim=-1)
     sorted_logits, order = torch.sort(scaled, dim=-1, descending=True, stable=True)
