@@ -13,13 +13,12 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from collections import defaultdict
 from pathlib import Path
 
 from cluster.config import load_config
 from cluster.local_engine import build_engine
 from workers.sampling import SamplingParams
-from workers.training.prompt_sources import build_prompts
+from workers.training.prompt_sources import build_prompts, first_per_category
 
 
 def decode_all(engine, prompts: list[list[int]], mode: str, max_tokens: int) -> dict:
@@ -46,11 +45,8 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results/beam_shapes.json")
     args = ap.parse_args()
     engine = build_engine(load_config(args.config))
-    by_cat = defaultdict(list)
-    for p in build_prompts(Path(args.datasets_dir), "heldout"):
-        if len(by_cat[p["category"]]) < args.prompts_per_category:
-            by_cat[p["category"]].append(engine.encode_chat(p["messages"]))
-    prompts = [ids for v in by_cat.values() for ids in v]
+    by_cat = first_per_category(build_prompts(Path(args.datasets_dir), "heldout"), args.prompts_per_category)
+    prompts = [engine.encode_chat(p["messages"]) for v in by_cat.values() for p in v]
     decode_all(engine, prompts[:1], "plain", 8)
     plain = decode_all(engine, prompts, "plain", args.max_tokens)
     rows = []

@@ -15,7 +15,6 @@ import argparse
 import json
 import statistics
 import time
-from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -24,7 +23,7 @@ from cluster.config import load_config
 from cluster.local_engine import build_engine
 from workers.engine import Engine
 from workers.sampling import SamplingParams
-from workers.training.prompt_sources import build_prompts
+from workers.training.prompt_sources import build_prompts, first_per_category
 
 
 def run_once(engine: Engine, ids: list[int], mode: str, max_tokens: int):
@@ -52,10 +51,7 @@ def main() -> None:
     cfg.engine = cfg.engine.model_copy(update={k: v for k, v in overrides.items() if v})
     e = cfg.engine
     engine = build_engine(cfg)
-    by_cat = defaultdict(list)
-    for p in build_prompts(Path(args.datasets_dir), "heldout"):
-        if len(by_cat[p["category"]]) < args.prompts_per_category:
-            by_cat[p["category"]].append(p)
+    by_cat = first_per_category(build_prompts(Path(args.datasets_dir), "heldout"), args.prompts_per_category)
     prompts = [p for ps in by_cat.values() for p in ps]
     warm = engine.encode_chat(prompts[0]["messages"])
     for mode in ("plain", "spec"):

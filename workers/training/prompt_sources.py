@@ -110,3 +110,13 @@ def build_prompts(datasets_dir: Path | None, split: str) -> list[dict]:
     chosen = [p for p in prompts if split_of(p["messages"][0]["content"]) == split]
     random.Random(1).shuffle(chosen)
     return chosen
+
+
+def first_per_category(prompts: list[dict], n: int) -> dict[str, list[dict]]:
+    """The first ``n`` prompts of each category, categories in order of first appearance."""
+    by_cat: dict[str, list[dict]] = {}
+    for p in prompts:
+        rows = by_cat.setdefault(p.get("category", "unknown"), [])
+        if len(rows) < n:
+            rows.append(p)
+    return by_cat

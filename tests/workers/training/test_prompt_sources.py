@@ -1,0 +1,15 @@
+from workers.training.prompt_sources import build_prompts, first_per_category, split_of
+
+
+def test_first_per_category_keeps_order_and_caps_each_category():
+    rows = [{"category": c, "i": i} for i, c in enumerate("abacbbca")]
+    got = first_per_category(rows, 2)
+    assert list(got) == ["a", "b", "c"]
+    assert {c: [r["i"] for r in v] for c, v in got.items()} == {"a": [0, 2], "b": [1, 4], "c": [3, 6]}
+
+
+def test_train_and_heldout_splits_are_disjoint_and_stable():
+    train = {p["messages"][0]["content"] for p in build_prompts(None, "train")}
+    held = {p["messages"][0]["content"] for p in build_prompts(None, "heldout")}
+    assert train and held and not (train & held)
+    assert all(split_of(t) == "heldout" for t in held)
