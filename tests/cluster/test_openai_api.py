@@ -91,8 +91,10 @@ def test_sampled_request_with_top_k_and_stop(http):
 @pytest.mark.parametrize("mode", ["spec", "plain"])
 def test_forced_mode_is_reported(http, mode):
     for path, body in (CHAT, TEXT):
-        resp = http.post(path, json={**body, "max_tokens": 16, "rdserve": {"mode": mode}}).json()
+        # greedy, so the output (and whether it stops at its first token) is deterministic
+        resp = http.post(path, json={**body, "max_tokens": 16, "temperature": 0, "rdserve": {"mode": mode}}).json()
         assert resp["rdserve"]["mode"] == mode and resp["rdserve"]["reason"] == f"requested {mode}"
+        assert resp["usage"]["completion_tokens"] > 1
         assert resp["rdserve"]["num_steps"] >= 1
         if mode == "plain":
             assert resp["rdserve"]["accepted_draft_tokens"] == 0 and resp["rdserve"]["tokens_per_step"] == 1.0
