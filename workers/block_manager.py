@@ -1,0 +1,200 @@
+"""Paged KV-cache bookkeeping: fixed-size blocks, a free list, one block table per sequence.
+
+The cache holds ``num_blocks * block_size`` token slots plus one trash slot (slot
+``num_blocks * block_size``) that padding tokens write to. A sequence's token at position ``p`` lives
+in slot ``block_table[p // block_size] * block_size + p % block_size`` (vLLM PagedAttention,
+Kwon et al. 2023; TensorRT-LLM "paged KV cache" with ``tokens_per_block``).
+
+Draft trees need no scratch blocks: a generation step writes the last token and its draft tree to
+the sequence's own look-ahead slots at positions ``L .. L + tree_tokens`` (``L`` =
+``num_computed_tokens``), so the scheduler only calls ``allocate(seq, L + 1 + tree_tokens)``; the
+engine then compacts the accepted path to positions ``L + 1 ..``. Blocks wholly beyond the committed
+length stay in the block table after the step: the sequence reuses them as it grows, and
+:meth:`BlockManager.free` returns them with the rest.
+
+This module holds no tensors except the slot indices :meth:`BlockManager.slots` returns.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from workers.models.config import LlamaConfig
+from workers.sequence import Sequence
+
+MiB = 1 << 20
+
+
+class BlockManager:
+    """Owns the free list and which sequence holds each block.
+
+    Raises ``ValueError`` on a double free or when freeing a block another sequence holds, and
+    ``RuntimeError`` when :meth:`allocate` is called without enough free blocks.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks}, {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self._free: deque[int] = deque(range(num_blocks))
+        self._owner: list[str | None] = [None] * num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def trash_slot(self) -> int:
+        """Slot padding tokens write to; no sequence ever reads it."""
+        return self.num_blocks * self.block_size
+
+    @property
+    def num_slots(self) -> int:
+        """Rows of the KV-cache tensors: every block's slots plus the trash slot."""
+        return self.num_blocks * self.block_size + 1
+
+    def blocks_needed(self, seq: Sequence, upto_slots: int) -> int:
+        """New blocks ``seq`` needs so that its slots ``[0, upto_slots)`` exist (0 if it has them)."""
+        return max(0, -(-upto_slots // self.block_size) - len(seq.block_table))
+
+    def can_allocate(self, seq: Sequence, upto_slots: int) -> bool:
+        return self.blocks_needed(seq, upto_slots) <= len(self._free)
+
+    def allocate(self, seq: Sequence, upto_slots: int) -> None:
+        """Grow ``seq.block_table`` so that slots ``[0, upto_slots)`` exist; never shrinks it.
+
+        Raises:
+            RuntimeError: not enough free blocks (check :meth:`can_allocate` first).
+        """
+        needed = self.blocks_needed(seq, upto_slots)
+        if needed > len(self._free):
+            raise RuntimeError(
+                f"request {seq.request_id}: needs {needed} KV blocks, {len(self._free)} free"
+            )
+        for _ in range(needed):
+            block = self._free.popleft()
+            self._owner[block] = seq.request_id
+            seq.block_table.append(block)
+
+    def free(self, seq: Sequence) -> None:
+        """Return every block of ``seq`` to the free list and empty its block table.
+
+        Raises:
+            ValueError: a block in the table is already free or held by another sequence.
+        """
+        for block in seq.block_table:
+            if self._owner[block] != seq.request_id:
+                held = "free" if self._owner[block] is None else f"held by {self._owner[block]}"
+                raise ValueError(f"request {seq.request_id}: cannot free KV block {block}: it is {held}")
+        for block in seq.block_table:
+            self._owner[block] = None
+            self._free.append(block)
+        seq.block_table = []
+
+    def owner(self, block: int) -> str | None:
+        """Request id holding ``block``, or None when it is free."""
+        return self._owner[block]
+
+    def slot(self, seq: Sequence, position: int) -> int:
+        """Cache slot of ``seq``'s token at ``position``.
+
+        Raises:
+            IndexError: the position's block is not allocated.
+        """
+        return self.slots(seq, position, position + 1).item()
+
+    def slots(self, seq: Sequence, start: int, end: int) -> torch.Tensor:
+        """Cache slots ``[end - start] long`` of positions ``[start, end)``.
+
+        Raises:
+            IndexError: a position is negative or its block is not allocated.
+        """
+        if start < 0 or end > len(seq.block_table) * self.block_size:
+            raise IndexError(
+                f"request {seq.request_id}: positions [{start}, {end}) outside its "
+                f"{len(seq.block_table)} blocks of {self.block_size}"
+            )
+        positions = torch.arange(start, end)
+        table = torch.tensor(seq.block_table, dtype=torch.long)
+        return table[positions // self.block_size] * self.block_size + positions % self.block_size
+
+
+def kv_bytes_per_token(config: LlamaConfig, dtype: torch.dtype, tp_size: int = 1) -> int:
+    """Keys plus values of one token in every layer on one rank, in bytes.
+
+    KV heads are split across ``tp_size`` ranks (``num_key_value_heads / tp_size`` each); with more
+    ranks than KV heads each rank holds one replicated head (vLLM's rule).
+
+    Raises:
+        ValueError: neither count divides the other.
+    """
+    kv_heads = config.num_key_value_heads
+    if kv_heads % tp_size and tp_size % kv_heads:
+        raise ValueError(f"tp_size {tp_size} and num_key_value_heads {kv_heads}: neither divides the other")
+    heads = max(1, kv_heads // tp_size)
+    return 2 * config.num_hidden_layers * heads * config.head_size * dtype.itemsize
+
+
+def blocks_for_memory(bytes_per_token: int, budget_bytes: int, block_size: int) -> int:
+    """Whole blocks of ``block_size`` tokens that fit in ``budget_bytes``."""
+    return int(budget_bytes) // (bytes_per_token * block_size)
+
+
+@dataclass(frozen=True)
+class KVCacheSize:
+    """Size of a paged KV cache, as the engine reports it at start."""
+
+    num_blocks: int
+    block_size: int
+    bytes_per_token: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def mib(self) -> float:
+        return self.num_tokens * self.bytes_per_token / MiB
+
+    def __str__(self) -> str:
+        return (
+            f"KV cache: {self.num_blocks} blocks x {self.block_size} tokens = {self.num_tokens} tokens, "
+            f"{self.mib:.1f} MiB ({self.bytes_per_token} bytes/token)"
+        )
+
+
+def size_kv_cache(
+    bytes_per_token: int,
+    block_size: int,
+    *,
+    num_blocks: int | None = None,
+    kv_cache_fraction: float | None = None,
+    free_bytes: int | None = None,
+) -> KVCacheSize:
+    """Size the cache from an explicit ``num_blocks``, or from ``kv_cache_fraction`` of
+    ``free_bytes`` (memory free after loading the weights; TensorRT-LLM's
+    ``free_gpu_memory_fraction``, vLLM's ``gpu_memory_utilization``).
+
+    Raises:
+        ValueError: neither or both ways given, a fraction outside (0, 1], or less than one block.
+    """
+    if (num_blocks is None) == (kv_cache_fraction is None):
+        raise ValueError("give exactly one of num_blocks and kv_cache_fraction")
+    if num_blocks is None:
+        if not 0 < kv_cache_fraction <= 1:
+            raise ValueError(f"kv_cache_fraction must be in (0, 1], got {kv_cache_fraction}")
+        if free_bytes is None:
+            raise ValueError("kv_cache_fraction needs free_bytes")
+        num_blocks = blocks_for_memory(bytes_per_token, kv_cache_fraction * free_bytes, block_size)
+        if num_blocks < 1:
+            raise ValueError(
+                f"kv_cache_fraction {kv_cache_fraction} of {free_bytes / MiB:.1f} MiB free holds no "
+                f"block of {block_size} tokens x {bytes_per_token} bytes"
+            )
+    elif num_blocks < 1:
+        raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+    return KVCacheSize(num_blocks, block_size, bytes_per_token)

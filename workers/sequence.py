@@ -1,0 +1,99 @@
+"""The unit of work of in-flight batching: one request's tokens, KV-cache progress and block table.
+
+Token accounting (what the scheduler plans with and what the engine updates after each forward):
+
+- ``num_tokens = len(prompt_token_ids) + len(output_token_ids)``.
+- ``num_computed_tokens``: leading tokens whose keys/values are in the paged KV cache.
+- The last emitted token has no KV yet: a generation step feeds it (plus the draft tree, if any), so
+  generation can run once every token before it is computed. ``num_context_tokens`` counts those
+  tokens: ``num_tokens - 1`` when the sequence has outputs, ``num_tokens`` (the whole prompt) before
+  the first output token.
+- Context phase (``is_prefill``): ``num_computed_tokens < num_context_tokens``. The scheduler plans
+  prefill chunks ``[num_computed_tokens, num_computed_tokens + n)``. After a chunk the engine adds
+  ``n`` to ``num_computed_tokens``; when the chunk completes a prompt that has no output yet, the
+  engine samples the first output token from the chunk's last position. After a preemption
+  (``num_computed_tokens`` reset to 0) the recomputed context covers prompt + outputs except the last
+  output token, and nothing is sampled at its end: the last output token is already known.
+- Generation phase: ``num_computed_tokens == num_tokens - 1``. A generation step writes the last
+  token and the draft tree at positions ``num_computed_tokens ..``; the engine then adds
+  ``1 + accepted`` to ``num_computed_tokens`` and appends ``accepted + 1`` tokens (accepted drafts
+  plus the bonus token) to ``output_token_ids`` (ReDrafter arXiv 2403.09919 Sec. 3.3).
+
+Names follow TensorRT-LLM (context/generation phase) and vLLM (block table).
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+_arrivals = itertools.count()
+
+
+class SequenceStatus(enum.Enum):
+    """WAITING: queued, holds no KV blocks (new, or preempted for recompute). RUNNING: admitted,
+    holds blocks. FINISHED: done or aborted, blocks freed."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request as the scheduler sees it.
+
+    request_id: unique among unfinished sequences.
+    max_tokens: most output tokens the request may produce (>= 1); sizes the admission check.
+    speculative: whether the request may be decoded with a draft tree (False = plain steps only).
+    arrival_index: FCFS order; a process-wide increasing counter unless given.
+    block_table: KV-cache block ids; token at position p lives in block ``block_table[p // block_size]``.
+    extra: engine payload (sampling parameters, output stream, drafter hidden state); the scheduler
+        and block manager never read it.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    max_tokens: int
+    speculative: bool = True
+    output_token_ids: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    arrival_index: int = field(default_factory=lambda: next(_arrivals))
+    num_computed_tokens: int = 0
+    num_preemptions: int = 0
+    block_table: list[int] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self):
+        if not self.prompt_token_ids:
+            raise ValueError(f"request {self.request_id}: empty prompt")
+        if self.max_tokens < 1:
+            raise ValueError(f"request {self.request_id}: max_tokens must be >= 1, got {self.max_tokens}")
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus output tokens."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        """Tokens without KV in the cache (>= 1 for an unfinished sequence: the last token)."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def num_context_tokens(self) -> int:
+        """Tokens to prefill before generation can (re)start, see the module docstring."""
+        return self.num_tokens - 1 if self.output_token_ids else self.num_tokens
+
+    @property
+    def is_prefill(self) -> bool:
+        """Context phase: part of the context still lacks KV."""
+        return self.num_computed_tokens < self.num_context_tokens
+
+    @property
+    def max_slots(self) -> int:
+        """KV slots a plain generation step needs at the sequence's longest: the last step feeds
+        token ``len(prompt) + max_tokens - 2``."""
+        return len(self.prompt_token_ids) + self.max_tokens - 1
