@@ -46,13 +46,12 @@ def main() -> None:
     model, drafter = engine.model, engine.drafter
     greedy = SamplingParams()
     L = args.context
-    cache = model.new_cache(1, L + 64)
+    executor = engine.executor
     ids = torch.randint(0, model.config.vocab_size, (L,)).tolist()
-    hidden = engine._prefill(ids, cache)
+    hidden = engine._prefill(ids)
 
     def plain():
-        cache.lengths[0] = L
-        plain_step(model, cache, ids[-1], greedy, None)
+        plain_step(executor, L, ids[-1], greedy, None)
 
     plain_ms = median_ms(plain, args.repeats)
     rows = []
@@ -62,8 +61,7 @@ def main() -> None:
         beams = torch.cat([torch.full((nb, 1), ids[-1]), torch.randint(0, 1000, (nb, dl))], dim=1)
 
         def verify():
-            cache.lengths[0] = L
-            speculative_step(model, cache, beams, greedy, None)
+            speculative_step(executor, L, beams, greedy, None)
 
         verify_ms = median_ms(verify, args.repeats)
         step = draft_ms + verify_ms

@@ -18,7 +18,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from workers.kv_cache import AttentionMetadata
+from workers.executor import LocalExecutor
+from workers.forward_batch import contiguous_batch
 from workers.models.loader import load_model
 from workers.models.tokenizer import apply_chat_template, load_tokenizer
 from workers.redrafter.beam_search import draft_beams
@@ -87,6 +88,7 @@ class Engine:
         self.drafter = None
         if drafter_path:
             self.drafter = load_drafter(drafter_path, self.model.lm_head.weight, DTYPES[dtype], device)
+        self.executor = LocalExecutor(self.model, self.max_seq_len + num_beams * draft_len_per_beam + 1)
         self.eos_token_ids = set(cfg.eos_token_id)
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
@@ -121,9 +123,8 @@ class Engine:
         budget = min(params.max_tokens, self.max_seq_len - n_prompt)
         stream = OutputStream(self.tokenizer, replace(params, max_tokens=budget), self.eos_token_ids)
         generator = None if params.greedy else make_generator(params.seed, self.device)
-        tree_slots = self.num_beams * self.draft_len_per_beam + 1
-        cache = self.model.new_cache(1, self.max_seq_len + tree_slots)
-        hidden = self._prefill(prompt_ids, cache)
+        hidden = self._prefill(prompt_ids)
+        length = n_prompt  # committed tokens in the KV cache (slots 0..length-1)
         root = self._choose(hidden[None], params, generator)[0]
         steps = accepted = produced = 0
 
@@ -144,9 +145,10 @@ class Engine:
                 beams = draft_beams(
                     self.drafter, self.model.model.embed_tokens, hidden, root, self.num_beams, draft_len
                 )
-                tokens, hidden = speculative_step(self.model, cache, beams, params, generator)
+                tokens, hidden = speculative_step(self.executor, length, beams, params, generator)
             else:
-                tokens, hidden = plain_step(self.model, cache, root, params, generator)
+                tokens, hidden = plain_step(self.executor, length, root, params, generator)
+            length += len(tokens)
             steps += 1
             produced += len(tokens)
             root = tokens[-1]
@@ -157,17 +159,10 @@ class Engine:
             d.accepted_draft_tokens = accepted
             yield d
 
-    def _prefill(self, prompt_ids: list[int], cache) -> torch.Tensor:
+    def _prefill(self, prompt_ids: list[int]) -> torch.Tensor:
         """Context phase; returns the hidden state ``[H]`` of the last prompt token."""
-        T = len(prompt_ids)
-        pos = torch.arange(T, device=self.device)[None]
-        meta = AttentionMetadata(
-            rows=torch.zeros_like(pos), slots=pos,
-            mask=torch.ones(T, T, dtype=torch.bool, device=self.device).tril()[None, None], kv_len=T,
-        )
-        hidden = self.model(torch.tensor([prompt_ids], device=self.device), pos, cache, meta)[0, -1]
-        cache.lengths[0] = T
-        return hidden
+        batch = contiguous_batch(torch.tensor(prompt_ids, device=self.device), 0)
+        return self.executor.forward(batch)[-1]
 
     def _choose(self, hidden: torch.Tensor, params: SamplingParams, generator) -> list[int]:
         logits = self.model.logits(hidden)

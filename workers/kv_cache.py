@@ -1,95 +1,72 @@
-"""Per-sequence KV cache with scratch slots for draft-tree verification.
+"""KV cache as a flat pool of slots, shared by every sequence of an engine.
 
-The cache holds ``batch`` rows; each row is one sequence with ``max_len`` slots. Committed
-tokens occupy slots ``[0, lengths[b])``. During ReDrafter verification the packed draft tree is
-written to the scratch slots after the committed prefix; :meth:`KVCache.commit_path` then copies
-the accepted path into place, so rejected tokens leave no trace (ReDrafter arXiv 2403.09919
-Sec. 3.3; TensorRT-LLM calls this "KV cache rewind").
+A *slot* holds the keys and values of one token in every layer. Sequences own fixed-size blocks of
+slots through their block tables (paged KV cache: vLLM PagedAttention, TensorRT-LLM
+``tokens_per_block``); the cache itself only stores tensors and knows nothing of sequences. The
+last slot is a trash slot that padding tokens write to and nothing reads.
+
+During ReDrafter verification the packed draft tree is written to look-ahead slots after the
+committed prefix; :meth:`KVCache.copy_slots` then moves the accepted path into place, so rejected
+tokens leave no trace (ReDrafter arXiv 2403.09919 Sec. 3.3; TensorRT-LLM calls this "KV cache
+rewind").
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-
-@dataclass
-class AttentionMetadata:
-    """Where one forward's new tokens go in the cache and what they may attend to.
-
-    rows, slots: ``[B, T] long`` cache row and slot of each new token.
-    mask: ``[B, 1, T, kv_len] bool``; True where query token t may attend to slot s.
-    kv_len: number of leading slots attention reads.
-    row_ids: cache rows of the B batch entries; ``None`` means rows ``0..B-1`` of a cache with B rows.
-    """
-
-    rows: torch.Tensor
-    slots: torch.Tensor
-    mask: torch.Tensor
-    kv_len: int
-    row_ids: torch.Tensor | None = None
+from workers.forward_batch import AttentionGroup
 
 
 class KVCache:
-    """Keys and values ``k[layer], v[layer]: [batch, max_len, n_kv_heads, head_dim]``.
-
-    Slot-major rows make writing scattered slots one ``index_copy_`` on a flat view; attention
-    reads a transposed view.
-    """
+    """Keys and values ``k[layer], v[layer]: [num_slots + 1, n_kv_heads, head_dim]`` (last: trash)."""
 
     def __init__(
         self,
         num_layers: int,
-        batch: int,
+        num_slots: int,
         n_kv_heads: int,
-        max_len: int,
         head_dim: int,
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
     ):
-        shape = (batch, max_len, n_kv_heads, head_dim)
+        shape = (num_slots + 1, n_kv_heads, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.lengths = [0] * batch
-        self.max_len = max_len
+        self.num_slots = num_slots
         self.device = torch.device(device)
 
     @property
-    def batch(self) -> int:
-        return len(self.lengths)
+    def trash_slot(self) -> int:
+        return self.num_slots
 
-    def write(self, layer: int, rows: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        """Store new keys/values.
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
-        rows, slots: ``[B, T] long`` cache row and slot of each new token.
-        k, v: ``[B, n_kv_heads, T, head_dim]``.
+    def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store new keys/values. slot_mapping: ``[N] long``; k, v: ``[N, n_kv_heads, head_dim]``."""
+        self.k[layer].index_copy_(0, slot_mapping, k)
+        self.v[layer].index_copy_(0, slot_mapping, v)
+
+    def read(self, layer: int, group: AttentionGroup) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values ``[batch, n_kv_heads, kv_len, head_dim]`` of the group's kv slots.
+
+        A group with ``kv_run_start`` set is read as a view (no gather).
         """
-        index = (rows * self.max_len + slots).reshape(-1)
-        for cache, new in ((self.k[layer], k), (self.v[layer], v)):
-            flat = cache.view(-1, cache.shape[2], cache.shape[3])
-            flat.index_copy_(0, index, new.transpose(1, 2).reshape(-1, cache.shape[2], cache.shape[3]))
-
-    def read(self, layer: int, row_ids: torch.Tensor | None, kv_len: int):
-        """Keys and values ``[B, n_kv_heads, kv_len, head_dim]`` of the given rows."""
-        k, v = self.k[layer][:, :kv_len], self.v[layer][:, :kv_len]
-        if row_ids is not None:
-            k, v = k[row_ids], v[row_ids]
+        first = group.kv_run_start
+        if first is not None:
+            k = self.k[layer][first : first + group.kv_len][None]
+            v = self.v[layer][first : first + group.kv_len][None]
+        else:
+            k, v = self.k[layer][group.kv_slots], self.v[layer][group.kv_slots]
         return k.transpose(1, 2), v.transpose(1, 2)
 
-    def commit_path(self, row: int, start: int, node_indices: list[int]) -> None:
-        """Move the accepted tree nodes (written at ``start + node_indices[i]``) to
-        ``start + i`` and extend the row's committed length by ``len(node_indices)``.
+    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy every layer's keys/values from slots ``src`` to ``dst`` (``[K] long`` each)."""
+        if src.numel() == 0:
+            return
+        for cache in (self.k, self.v):
+            for layer in cache:
+                layer[dst] = layer[src]
 
-        Raises:
-            ValueError: if the path would run past ``max_len``.
-        """
-        n = len(node_indices)
-        if start + n > self.max_len:
-            raise ValueError(f"KV cache row {row} overflows max_len={self.max_len}")
-        if node_indices != list(range(n)):
-            src = torch.tensor(node_indices, device=self.device) + start
-            for cache in (self.k, self.v):
-                for layer in cache:
-                    layer[row, start : start + n] = layer[row, src]
-        self.lengths[row] = start + n

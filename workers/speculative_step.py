@@ -9,26 +9,18 @@ from __future__ import annotations
 
 import torch
 
-from workers.kv_cache import AttentionMetadata, KVCache
-from workers.models.llama import LlamaForCausalLM
+from workers.executor import LocalExecutor
+from workers.forward_batch import contiguous_batch
 from workers.redrafter.acceptance import accept_greedy, accept_sampled
 from workers.redrafter.tree import build_prefix_tree
 from workers.sampling import SamplingParams, adjusted_probs, sample
 
 
 def plain_step(
-    model: LlamaForCausalLM, cache: KVCache, root: int, params: SamplingParams, generator
+    model: LocalExecutor, L: int, root: int, params: SamplingParams, generator
 ) -> tuple[list[int], torch.Tensor]:
-    """Feed ``root`` at position ``cache.lengths[0]``; returns ``([next_token], hidden [H])``."""
-    L = cache.lengths[0]
-    dev = cache.device
-    pos = torch.tensor([[L]], device=dev)
-    meta = AttentionMetadata(
-        rows=torch.zeros_like(pos), slots=pos, mask=torch.ones(1, 1, 1, L + 1, dtype=torch.bool, device=dev),
-        kv_len=L + 1,
-    )
-    hidden = model(torch.tensor([[root]], device=dev), pos, cache, meta)[0, 0]
-    cache.lengths[0] = L + 1
+    """Feed ``root`` at position and slot ``L``; returns ``([next_token], hidden [H])``."""
+    hidden = model.forward(contiguous_batch(torch.tensor([root], device=model.device), L))[0]
     logits = model.logits(hidden[None])
     if params.greedy:
         return [int(logits.argmax())], hidden
@@ -36,31 +28,28 @@ def plain_step(
 
 
 def speculative_step(
-    model: LlamaForCausalLM, cache: KVCache, beams: torch.Tensor, params: SamplingParams, generator
+    model: LocalExecutor, L: int, beams: torch.Tensor, params: SamplingParams, generator
 ) -> tuple[list[int], torch.Tensor]:
     """Verify ``beams`` (``[num_beams, draft_len + 1] long``, column 0 = pending root token).
 
-    The prefix tree's nodes are written to scratch slots ``L + node``; positions are ``L + depth``;
+    ``L`` is the committed length (slots ``0..L-1`` hold the prefix). The prefix tree's nodes are
+    written to scratch slots ``L + node``; positions are ``L + depth``;
     each node attends to the committed prefix and to its ancestors (tree attention). The accepted
     path is moved to ``L..`` and the rest discarded.
 
     Returns:
         (accepted draft tokens + bonus token, hidden ``[H]`` of the last accepted node).
     """
-    L = cache.lengths[0]
-    dev = cache.device
+    dev = model.device
     tree = build_prefix_tree(beams)
-    N = tree.tokens.numel()
-    slots = torch.arange(L, L + N, device=dev)[None]
-    mask = torch.ones(1, 1, N, L + N, dtype=torch.bool, device=dev)
-    mask[0, 0, :, L:] = tree.mask.to(dev)
-    meta = AttentionMetadata(rows=torch.zeros_like(slots), slots=slots, mask=mask, kv_len=L + N)
-    hidden = model(tree.tokens.to(dev)[None], (L + tree.depths.to(dev))[None], cache, meta)[0]
+    batch = contiguous_batch(tree.tokens.to(dev), L, tree.mask.to(dev), L + tree.depths.to(dev))
+    hidden = model.forward(batch)
     logits = model.logits(hidden)
     if params.greedy:
         path, bonus = accept_greedy(tree, logits.argmax(-1).tolist())
     else:
         path, bonus = accept_sampled(tree, adjusted_probs(logits, params), generator)
-    cache.commit_path(0, L, path)
+    if path != list(range(len(path))):
+        model.copy_slots(torch.tensor(path, device=dev) + L, torch.arange(L, L + len(path), device=dev))
     tokens = tree.tokens[path[1:]].tolist() + [bonus]
     return tokens, hidden[path[-1]]

@@ -141,8 +141,7 @@ def engine_top2_gap(cfg) -> GapFn:
     def gap(row: PromptRow, prefix: list[int]) -> float:
         ids = (engine.encode_chat(row.messages) if row.messages is not None else engine.encode_prompt(row.prompt))
         ids = ids + list(prefix)
-        cache = engine.model.new_cache(1, len(ids) + 1)
-        hidden = engine._prefill(ids, cache)
+        hidden = engine._prefill(ids)
         top = torch.log_softmax(engine.model.logits(hidden[None]).float(), -1)[0].topk(2).values
         return float(top[0] - top[1])
 

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import random
 
-import pytest
 import torch
 
-from workers.kv_cache import AttentionMetadata, KVCache
+from workers.executor import LocalExecutor
+from workers.forward_batch import AttentionGroup, contiguous_batch
+from workers.kv_cache import KVCache
 from workers.models.loader import load_model
 from workers.redrafter.beam_search import draft_beams
 from workers.redrafter.drafter import load_drafter
@@ -21,34 +22,44 @@ from workers.speculative_step import plain_step, speculative_step
 GREEDY = SamplingParams(temperature=0.0)
 
 
-def test_commit_path_moves_nodes_and_sets_length():
-    cache = KVCache(num_layers=2, batch=2, n_kv_heads=1, max_len=12, head_dim=3)
+def test_copy_slots_moves_entries_in_every_layer():
+    cache = KVCache(num_layers=2, num_slots=12, n_kv_heads=1, head_dim=3)
     for layer in range(2):
-        cache.k[layer].copy_(torch.randn(2, 12, 1, 3))
-        cache.v[layer].copy_(torch.randn(2, 12, 1, 3))
-    before_k = [k.clone() for k in cache.k]
-    before_v = [v.clone() for v in cache.v]
-    cache.commit_path(1, 4, [0, 2, 5])
-    assert cache.lengths == [0, 7]
-    for layer in range(2):
-        for new, old in ((cache.k[layer], before_k[layer]), (cache.v[layer], before_v[layer])):
-            assert torch.equal(new[1, 4:7], old[1, [4, 6, 9]])
-            assert torch.equal(new[1, :4], old[1, :4])
-            assert torch.equal(new[0], old[0])  # other rows untouched
-    with pytest.raises(ValueError):
-        cache.commit_path(1, 10, [0, 1, 2])
+        cache.k[layer].copy_(torch.randn(13, 1, 3))
+        cache.v[layer].copy_(torch.randn(13, 1, 3))
+    before = [t.clone() for t in cache.k + cache.v]
+    cache.copy_slots(torch.tensor([4, 6, 9]), torch.tensor([4, 5, 6]))
+    for new, old in zip(cache.k + cache.v, before):
+        assert torch.equal(new[4:7], old[[4, 6, 9]])
+        assert torch.equal(new[:4], old[:4]) and torch.equal(new[7:], old[7:])
 
 
-def prefill(model, cache: KVCache, ids: list[int]) -> torch.Tensor:
-    T = len(ids)
-    L = cache.lengths[0]
-    pos = torch.arange(L, L + T)[None]
-    mask = torch.ones(1, 1, T, L + T, dtype=torch.bool)
-    mask[0, 0, :, L:] = torch.ones(T, T, dtype=torch.bool).tril()
-    meta = AttentionMetadata(rows=torch.zeros_like(pos), slots=pos, mask=mask, kv_len=L + T)
-    hidden = model(torch.tensor([ids]), pos, cache, meta)[0]
-    cache.lengths[0] = L + T
-    return hidden
+def test_read_gathers_block_table_slots_and_views_runs():
+    cache = KVCache(num_layers=1, num_slots=16, n_kv_heads=2, head_dim=3)
+    cache.k[0].copy_(torch.randn(17, 2, 3))
+    cache.v[0].copy_(torch.randn(17, 2, 3))
+    slots = torch.tensor([[8, 9, 2, 3], [0, 1, 2, 3]])
+    group = AttentionGroup(0, 2, 1, slots, torch.ones(2, 1, 1, 4, dtype=torch.bool))
+    k, v = cache.read(0, group)
+    assert k.shape == (2, 2, 4, 3)
+    assert torch.equal(k[0], cache.k[0][[8, 9, 2, 3]].transpose(0, 1))
+    assert torch.equal(v[1], cache.v[0][:4].transpose(0, 1))
+    run = AttentionGroup(0, 1, 1, torch.arange(5, 9)[None], torch.ones(1, 1, 1, 4, dtype=torch.bool), 5)
+    k, _ = cache.read(0, run)
+    assert torch.equal(k[0], cache.k[0][5:9].transpose(0, 1))
+
+
+class ContiguousRow:
+    """A single sequence in slots 0.. of an executor's cache, prefilled token by token."""
+
+    def __init__(self, model, num_slots: int = 200):
+        self.executor = LocalExecutor(model, num_slots)
+        self.length = 0
+
+    def prefill(self, ids: list[int]) -> torch.Tensor:
+        hidden = self.executor.forward(contiguous_batch(torch.tensor(ids), self.length))
+        self.length += len(ids)
+        return hidden
 
 
 @torch.inference_mode()
@@ -59,32 +70,33 @@ def test_committed_slots_equal_plain_decoding(tiny_model_dirs, trained_drafter_d
     moved_paths = accepted_total = 0
     for _ in range(4):
         prompt = [rng.randrange(3, model.config.vocab_size) for _ in range(rng.randint(2, 30))]
-        spec_cache, plain_cache = model.new_cache(1, 200), model.new_cache(1, 200)
-        paths = []
-        commit = spec_cache.commit_path
-        spec_cache.commit_path = lambda row, start, nodes: (paths.append(list(nodes)), commit(row, start, nodes))
-        hidden = prefill(model, spec_cache, prompt)[-1]
-        prefill(model, plain_cache, prompt)
+        spec, plain = ContiguousRow(model), ContiguousRow(model)
+        copies = []
+        copy = spec.executor.copy_slots
+        spec.executor.copy_slots = lambda src, dst: (copies.append(src.tolist()), copy(src, dst))
+        hidden = spec.prefill(prompt)[-1]
+        plain.prefill(prompt)
         root = int(model.logits(hidden).argmax())
         emitted = []
         for _ in range(8):
             beams = draft_beams(drafter, model.model.embed_tokens, hidden, root, 4, 4)
-            tokens, hidden = speculative_step(model, spec_cache, beams, GREEDY, None)
+            tokens, hidden = speculative_step(spec.executor, spec.length, beams, GREEDY, None)
+            spec.length += len(tokens)
             for token in [root, *tokens[:-1]]:  # the bonus token is not in the cache yet
-                plain_hidden = prefill(model, plain_cache, [token])[-1]
-            L = spec_cache.lengths[0]
-            assert plain_cache.lengths[0] == L
+                plain_hidden = plain.prefill([token])[-1]
+            L = spec.length
+            assert plain.length == L
             for layer in range(model.config.num_hidden_layers):
-                assert torch.allclose(spec_cache.k[layer][0, :L], plain_cache.k[layer][0, :L], atol=1e-5)
-                assert torch.allclose(spec_cache.v[layer][0, :L], plain_cache.v[layer][0, :L], atol=1e-5)
+                for a, b in ((spec.executor.cache.k, plain.executor.cache.k), (spec.executor.cache.v, plain.executor.cache.v)):
+                    assert torch.allclose(a[layer][:L], b[layer][:L], atol=1e-5)
             assert torch.allclose(hidden, plain_hidden, atol=1e-5)
             accepted_total += len(tokens) - 1
             emitted += tokens
             root = tokens[-1]
-        moved_paths += sum(p != list(range(len(p))) for p in paths)
+        moved_paths += len(copies)
         # Stale scratch slots after the committed prefix do not leak into the next plain step.
-        spec_next, _ = plain_step(model, spec_cache, root, GREEDY, None)
-        plain_next, _ = plain_step(model, plain_cache, root, GREEDY, None)
+        spec_next, _ = plain_step(spec.executor, spec.length, root, GREEDY, None)
+        plain_next, _ = plain_step(plain.executor, plain.length, root, GREEDY, None)
         assert spec_next == plain_next
     assert accepted_total >= 20, "few drafts accepted: the comparison covers little"
-    assert moved_paths >= 1, "no accepted path needed moving: commit_path's copy was not exercised"
+    assert moved_paths >= 1, "no accepted path needed moving: copy_slots was not exercised"

@@ -1,9 +1,10 @@
 """Llama-family decoder (Llama 2/3, SmolLM2, Qwen2, Mistral without sliding window) in PyTorch.
 
-Written for serving: tokens of several sequences are processed as ``[B, T]`` with explicit
-positions, an explicit attention mask and explicit KV-cache slots, so the same forward serves
-prefill, plain decoding and ReDrafter tree verification (tree attention mask, depth-based
-positions). Q/K/V and gate/up projections are fused (as in vLLM and nano-vllm); the loader maps
+Written for serving: the new tokens of every scheduled request are packed into one ``[N]``
+sequence with explicit positions and KV-cache slots (:class:`~workers.forward_batch.ForwardBatch`),
+so every linear layer runs once per iteration and the same forward serves context chunks, plain
+decoding and ReDrafter tree verification (tree attention mask, depth-based positions); attention
+runs per group of equally long requests. Q/K/V and gate/up projections are fused (as in vLLM and nano-vllm); the loader maps
 Hugging Face parameter names onto them.
 """
 
@@ -12,7 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from workers.kv_cache import AttentionMetadata, KVCache
+from workers.forward_batch import ForwardBatch
+from workers.kv_cache import KVCache
 from workers.models.config import LlamaConfig
 from workers.models.rope import RotaryEmbedding, apply_rotary
 
@@ -42,18 +44,29 @@ class Attention(torch.nn.Module):
         self.qkv_proj = torch.nn.Linear(cfg.hidden_size, out, bias=cfg.attention_bias)
         self.o_proj = torch.nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=False)
 
-    def forward(self, x, rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache, meta: AttentionMetadata):
-        B, T, _ = x.shape
+    def forward(self, x, rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache, batch: ForwardBatch):
+        """x: ``[N, hidden_size]`` packed tokens -> ``[N, hidden_size]``."""
+        N = x.shape[0]
         qkv = self.qkv_proj(x)
         q_size, kv_size = self.n_heads * self.head_dim, self.n_kv * self.head_dim
-        q = qkv[..., :q_size].view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
-        k = qkv[..., q_size : q_size + kv_size].view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
-        v = qkv[..., q_size + kv_size :].view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+        q = qkv[:, :q_size].view(N, self.n_heads, self.head_dim)
+        k = qkv[:, q_size : q_size + kv_size].view(N, self.n_kv, self.head_dim)
+        v = qkv[:, q_size + kv_size :].view(N, self.n_kv, self.head_dim)
         q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-        cache.write(self.layer, meta.rows, meta.slots, k, v)
-        keys, values = cache.read(self.layer, meta.row_ids, meta.kv_len)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=meta.mask, enable_gqa=True)
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+        cache.write(self.layer, batch.slot_mapping, k, v)
+        if len(batch.groups) == 1:
+            out = self._attend(q, cache, batch.groups[0])
+        else:
+            out = torch.cat([self._attend(q[g.start : g.start + g.num_tokens], cache, g) for g in batch.groups])
+        return self.o_proj(out)
+
+    def _attend(self, q, cache: KVCache, group) -> torch.Tensor:
+        """q: ``[batch * seq_len, n_heads, head_dim]`` of one group -> ``[batch * seq_len, n_heads * head_dim]``."""
+        B, T = group.batch, group.seq_len
+        keys, values = cache.read(self.layer, group)
+        q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=group.mask, enable_gqa=True)
+        return out.transpose(1, 2).reshape(B * T, self.n_heads * self.head_dim)
 
 
 class MLP(torch.nn.Module):
@@ -96,29 +109,22 @@ class LlamaModel(torch.nn.Module):
             cfg.head_size, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
         )
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        cache: KVCache,
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        """Run the decoder on new tokens.
+    def forward(self, cache: KVCache, batch: ForwardBatch) -> torch.Tensor:
+        """Run the decoder on one iteration's packed tokens.
 
         Args:
-            input_ids: ``[B, T] long``.
-            positions: ``[B, T] long`` RoPE positions (tree depth + prefix length for draft trees).
-            cache: KV cache; new keys/values are written at ``(meta.rows, meta.slots)`` before
-                attention reads ``meta.kv_len`` leading slots of rows ``meta.row_ids`` under
-                ``meta.mask``.
+            cache: KV cache; new keys/values are written at ``batch.slot_mapping`` before each
+                attention group reads its ``kv_slots`` under its mask.
+            batch: ``input_ids``, ``positions`` (RoPE positions: prefix length + tree depth for
+                draft trees), ``slot_mapping``, all ``[N] long``, and the attention groups.
 
         Returns:
-            hidden: ``[B, T, hidden_size]`` after the final RMSNorm.
+            hidden: ``[N, hidden_size]`` after the final RMSNorm.
         """
-        x = self.embed_tokens(input_ids)
-        rope = self.rotary(positions, x.dtype)
+        x = self.embed_tokens(batch.input_ids)
+        rope = self.rotary(batch.positions, x.dtype)
         for layer in self.layers:
-            x = layer(x, rope, cache, meta)
+            x = layer(x, rope, cache, batch)
         return self.norm(x)
 
 
@@ -141,9 +147,9 @@ class LlamaForCausalLM(torch.nn.Module):
         """``[..., hidden_size] -> [..., vocab_size] float32``."""
         return self.lm_head(hidden).float()
 
-    def new_cache(self, batch: int, max_len: int) -> KVCache:
+    def new_cache(self, num_slots: int) -> KVCache:
+        """A KV cache of ``num_slots`` slots (plus the trash slot) in the model's dtype and device."""
         cfg = self.config
         p = self.lm_head.weight
-        return KVCache(
-            cfg.num_hidden_layers, batch, cfg.num_key_value_heads, max_len, cfg.head_size, p.dtype, p.device
-        )
+        n_kv = self.model.layers[0].self_attn.n_kv if cfg.num_hidden_layers else cfg.num_key_value_heads
+        return KVCache(cfg.num_hidden_layers, num_slots, n_kv, cfg.head_size, p.dtype, p.device)

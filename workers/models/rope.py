@@ -49,12 +49,12 @@ class RotaryEmbedding(torch.nn.Module):
         self.register_buffer("sin", emb.sin(), persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin ``[B, 1, T, D]`` for positions ``[B, T]`` (looked up once per forward)."""
-        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+        """cos and sin ``[N, 1, D]`` for positions ``[N]`` (looked up once per forward)."""
+        return self.cos[positions].unsqueeze(-2).to(dtype), self.sin[positions].unsqueeze(-2).to(dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` ``[B, heads, T, D]`` (rotate-half convention, as in Hugging Face Llama)."""
+    """Rotate ``x`` ``[N, heads, D]`` (rotate-half convention, as in Hugging Face Llama)."""
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from workers.kv_cache import AttentionMetadata
+from workers.forward_batch import AttentionGroup, ForwardBatch, contiguous_batch
 from workers.models.llama import LlamaForCausalLM
 
 
@@ -33,37 +33,33 @@ def generate_batch(
     """
     B = len(prompts)
     max_len = max(len(p) for p in prompts) + max_new_tokens + 1
-    cache = model.new_cache(B, max_len)
+    cache = model.new_cache(B * max_len)  # row b: slots b * max_len + position
+    lengths = [0] * B
     last_tok, hid = [], []
     for b, ids in enumerate(prompts):
-        T = len(ids)
-        pos = torch.arange(T)[None]
-        meta = AttentionMetadata(
-            rows=torch.full((1, T), b), slots=pos, mask=torch.ones(T, T, dtype=torch.bool).tril()[None, None],
-            kv_len=T, row_ids=torch.tensor([b]),
-        )
-        h = model(torch.tensor([ids]), pos, cache, meta)[0, -1]
-        cache.lengths[b] = T
+        h = model(cache, contiguous_batch(torch.tensor(ids), 0, base_slot=b * max_len))[-1]
+        lengths[b] = len(ids)
         hid.append(h)
         last_tok.append(int(model.logits(h).argmax()))
     outputs: list[list[int]] = [[t] for t in last_tok]
     hiddens: list[list[torch.Tensor]] = [[h.half()] for h in hid]
     done = [t in eos_ids for t in last_tok]
-    rows = torch.arange(B)[:, None]
+    row_base = torch.arange(B)[:, None] * max_len
     for _ in range(max_new_tokens - 1):
         if all(done):
             break
-        lengths = torch.tensor(cache.lengths)
-        kv_len = int(lengths.max()) + 1
-        mask = (torch.arange(kv_len)[None, :] <= lengths[:, None])[:, None, None, :]
-        meta = AttentionMetadata(rows=rows, slots=lengths[:, None], mask=mask, kv_len=kv_len)
-        inp = torch.tensor([[o[-1]] for o in outputs])
-        h = model(inp, lengths[:, None], cache, meta)[:, 0]
+        length = torch.tensor(lengths)
+        kv_len = int(length.max()) + 1
+        kv_slots = row_base + torch.arange(kv_len)[None, :]
+        mask = (torch.arange(kv_len)[None, :] <= length[:, None])[:, None, None, :]
+        inp = torch.tensor([o[-1] for o in outputs])
+        batch = ForwardBatch(inp, length, row_base[:, 0] + length, [AttentionGroup(0, B, 1, kv_slots, mask)])
+        h = model(cache, batch)
         nxt = model.logits(h).argmax(-1).tolist()
         for b in range(B):
             if done[b]:
                 continue
-            cache.lengths[b] += 1
+            lengths[b] += 1
             outputs[b].append(nxt[b])
             hiddens[b].append(h[b].half())
             done[b] = nxt[b] in eos_ids

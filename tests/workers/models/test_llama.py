@@ -13,7 +13,7 @@ import pytest
 import torch
 import transformers
 
-from workers.kv_cache import AttentionMetadata
+from workers.forward_batch import contiguous_batch
 from workers.models.loader import load_model
 
 TOL = 1e-4
@@ -22,26 +22,18 @@ NUM_POSITIONS = 300
 
 def ours_prefill(model, ids: list[int]) -> torch.Tensor:
     """Logits ``[T, V]`` of one prefill."""
-    T = len(ids)
-    cache = model.new_cache(1, T)
-    pos = torch.arange(T)[None]
-    meta = AttentionMetadata(rows=torch.zeros_like(pos), slots=pos,
-                             mask=torch.ones(T, T, dtype=torch.bool).tril()[None, None], kv_len=T)
+    cache = model.new_cache(len(ids))
     with torch.inference_mode():
-        return model.logits(model(torch.tensor([ids]), pos, cache, meta)[0])
+        return model.logits(model(cache, contiguous_batch(torch.tensor(ids), 0)))
 
 
 def ours_decode(model, ids: list[int]) -> torch.Tensor:
     """Logits ``[T, V]`` feeding one token per forward through the KV cache."""
-    cache = model.new_cache(1, len(ids))
+    cache = model.new_cache(len(ids))
     rows = []
     with torch.inference_mode():
         for t, token in enumerate(ids):
-            pos = torch.tensor([[t]])
-            meta = AttentionMetadata(rows=torch.zeros_like(pos), slots=pos,
-                                     mask=torch.ones(1, 1, 1, t + 1, dtype=torch.bool), kv_len=t + 1)
-            rows.append(model.logits(model(torch.tensor([[token]]), pos, cache, meta)[0, 0]))
-            cache.lengths[0] = t + 1
+            rows.append(model.logits(model(cache, contiguous_batch(torch.tensor([token]), t))[0]))
     return torch.stack(rows)
 
 
