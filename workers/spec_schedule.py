@@ -1,0 +1,139 @@
+"""Speculation schedule: the draft-tree shape (or none) for each number of generation requests.
+
+Drafting and verifying a tree pays at small batches, where a forward is bound by reading the
+weights, and stops paying as the batch grows and the forward becomes compute-bound (TensorRT-LLM's
+``max_concurrency`` and ``draft_len_schedule``; vLLM's dynamic speculative decoding).
+
+A table is ``"off"`` or a list of rows ``{max_batch_size, num_beams, draft_len_per_beam}`` with
+increasing ``max_batch_size``. A row applies to batches larger than the previous row's
+``max_batch_size`` and at most its own; ``num_beams = draft_len_per_beam = 0`` marks speculation off
+for that range; batches above the last row run without speculation. In YAML::
+
+    spec_schedule:
+      - {max_batch_size: 2, num_beams: 2, draft_len_per_beam: 2}
+      - {max_batch_size: 8, num_beams: 1, draft_len_per_beam: 2}
+
+Shapes are ``(num_beams, draft_len_per_beam)``; a tree holds at most ``num_beams *
+draft_len_per_beam`` draft tokens (ReDrafter arXiv 2403.09919 Sec. 3.2).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, Union
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+Shape = tuple[int, int]
+
+
+class SpecScheduleRow(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_batch_size: int = Field(ge=1, description="largest number of generation requests the row covers")
+    num_beams: int = Field(ge=0, description="0 with draft_len_per_beam 0: speculation off")
+    draft_len_per_beam: int = Field(ge=0)
+
+    @model_validator(mode="after")
+    def _both_or_neither_zero(self):
+        if (self.num_beams == 0) != (self.draft_len_per_beam == 0):
+            raise ValueError(
+                f"num_beams and draft_len_per_beam must both be >= 1, or both 0 for speculation off; "
+                f"got {self.num_beams}, {self.draft_len_per_beam}"
+            )
+        return self
+
+    @property
+    def shape(self) -> Shape | None:
+        return (self.num_beams, self.draft_len_per_beam) if self.num_beams else None
+
+
+def validate_schedule(table: str | list) -> "SpecSchedule":
+    """Parse rows (dicts or :class:`SpecScheduleRow`) and check their order.
+
+    Raises:
+        ValueError: naming the row (1-based) whose fields are invalid or whose ``max_batch_size`` does
+            not exceed the previous row's; a string other than ``"off"``.
+    """
+    if isinstance(table, str):
+        if table != "off":
+            raise ValueError(f"speculation schedule: expected 'off' or a list of rows, got {table!r}")
+        return "off"
+    rows = []
+    for i, row in enumerate(table, 1):
+        try:
+            rows.append(row if isinstance(row, SpecScheduleRow) else SpecScheduleRow(**row))
+        except ValidationError as e:
+            problems = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'row'}: {err['msg']}" for err in e.errors())
+            raise ValueError(f"speculation schedule row {i} ({row}): {problems}") from None
+        except TypeError:
+            raise ValueError(f"speculation schedule row {i}: expected a mapping, got {row!r}") from None
+        if i > 1 and rows[-1].max_batch_size <= rows[-2].max_batch_size:
+            raise ValueError(
+                f"speculation schedule row {i}: max_batch_size {rows[-1].max_batch_size} must exceed "
+                f"row {i - 1}'s {rows[-2].max_batch_size}"
+            )
+    return rows
+
+
+SpecSchedule = Annotated[Union[Literal["off"], list[SpecScheduleRow]], AfterValidator(validate_schedule)]
+"""Config field type: pydantic parses the rows and :func:`validate_schedule` checks their order."""
+
+
+def choose_shape(table: SpecSchedule, num_generation_requests: int) -> Shape | None:
+    """``(num_beams, draft_len_per_beam)`` for a batch of ``num_generation_requests``, or None (off).
+
+    ``table`` must already be validated.
+    """
+    if table == "off" or num_generation_requests < 1:
+        return None
+    for row in table:
+        if num_generation_requests <= row.max_batch_size:
+            return row.shape
+    return None
+
+
+def derive_schedule(
+    plain_step_s: dict[int, float],
+    spec_step_s: dict[tuple[int, Shape], float],
+    tokens_per_step: dict[Shape, float],
+) -> SpecSchedule:
+    """Table from measured step costs: for each measured batch size the shape with the highest
+    expected throughput ``batch * tokens_per_step[shape] / spec_step_s[batch, shape]`` tokens/s, or off
+    when plain decoding (``batch / plain_step_s[batch]`` tokens/s) is at least as fast.
+
+    plain_step_s: seconds per plain generation step, by batch size.
+    spec_step_s: seconds per speculative step (drafting + tree verification), by (batch size, shape).
+    tokens_per_step: mean tokens emitted per speculative step, by shape (acceptance on held-out text).
+
+    Adjacent rows with the same choice are merged and trailing off rows dropped (above the last row
+    speculation is off); all off gives ``"off"``. Ties prefer the smaller tree.
+
+    Raises:
+        ValueError: a speculative batch size without a plain measurement, a shape without
+            ``tokens_per_step``, or a non-positive time.
+    """
+    for (batch, shape), seconds in spec_step_s.items():
+        if batch not in plain_step_s:
+            raise ValueError(f"spec_step_s has batch {batch} but plain_step_s does not")
+        if shape not in tokens_per_step:
+            raise ValueError(f"spec_step_s has shape {shape} but tokens_per_step does not")
+        if seconds <= 0:
+            raise ValueError(f"spec_step_s[{batch}, {shape}] must be > 0, got {seconds}")
+    rows: list[SpecScheduleRow] = []
+    for batch in sorted(plain_step_s):
+        if plain_step_s[batch] <= 0:
+            raise ValueError(f"plain_step_s[{batch}] must be > 0, got {plain_step_s[batch]}")
+        best, best_rate = None, batch / plain_step_s[batch]
+        candidates = sorted((s for b, s in spec_step_s if b == batch), key=lambda s: (s[0] * s[1], s))
+        for shape in candidates:
+            rate = batch * tokens_per_step[shape] / spec_step_s[batch, shape]
+            if rate > best_rate:
+                best, best_rate = shape, rate
+        num_beams, draft_len = best or (0, 0)
+        if rows and (rows[-1].num_beams, rows[-1].draft_len_per_beam) == (num_beams, draft_len):
+            rows[-1] = rows[-1].model_copy(update={"max_batch_size": batch})
+        else:
+            rows.append(SpecScheduleRow(max_batch_size=batch, num_beams=num_beams, draft_len_per_beam=draft_len))
+    while rows and rows[-1].shape is None:
+        rows.pop()
+    return rows or "off"
