@@ -15,45 +15,64 @@ from workers.redrafter.drafter import ReDrafter
 @torch.inference_mode()
 def draft_beams(
     drafter: ReDrafter,
-    embed: torch.nn.Embedding,
+    embed,
     context: torch.Tensor,
     root_token: int,
     num_beams: int,
     draft_len_per_beam: int,
 ) -> torch.Tensor:
-    """Propose ``num_beams`` continuations of ``root_token``.
+    """Beams for one sequence: :func:`draft_beams_batch` with a batch of one.
+
+    Returns:
+        beams: ``[num_beams, draft_len_per_beam + 1] long``; column 0 is ``root_token``.
+    """
+    roots = torch.tensor([root_token], device=context.device)
+    return draft_beams_batch(drafter, embed, context[None], roots, num_beams, draft_len_per_beam)[0]
+
+
+@torch.inference_mode()
+def draft_beams_batch(
+    drafter: ReDrafter,
+    embed,
+    context: torch.Tensor,
+    roots: torch.Tensor,
+    num_beams: int,
+    draft_len_per_beam: int,
+) -> torch.Tensor:
+    """Propose ``num_beams`` continuations of each sequence's root token, all sequences at once.
 
     Args:
         drafter: the draft head.
-        embed: the base model's input embedding (frozen; ``e`` in Sec. 3.1).
-        context: ``[H]`` base hidden state at the last accepted token (the one that chose the root).
-        root_token: the token the base model chose; every beam starts with it.
+        embed: the base model's input embedding (frozen; ``e`` in Sec. 3.1), a callable
+            ``ids [...] long -> [..., H]``.
+        context: ``[B, H]`` base hidden state at each sequence's last accepted token (the one that
+            chose the root).
+        roots: ``[B] long`` the tokens the base model chose; every beam of sequence b starts with
+            ``roots[b]``.
 
     Returns:
-        beams: ``[num_beams, draft_len_per_beam + 1] long``; column 0 is ``root_token``. Beam
-        scores (sum of draft log-probabilities) are accumulated in float32; beams are ordered by
-        score, best first. While fewer than ``num_beams`` sequences exist (a vocabulary smaller
-        than the beam count), fewer beams are returned.
+        beams: ``[B, width, draft_len_per_beam + 1] long``; column 0 is the root. Beam scores (sum
+        of draft log-probabilities) are accumulated in float32; beams are ordered by score, best
+        first. ``width = num_beams`` unless the (draft) vocabulary is smaller.
     """
-    device = context.device
+    B = roots.shape[0]
     ids = drafter.draft_vocab  # None, or [Vd]: drafter index -> token id
-    tokens = torch.tensor([root_token], device=device)
-    state = drafter.step_state(torch.zeros_like(context)[None], embed(tokens))  # [1, H]
-    logp = torch.log_softmax(drafter.logits(context[None], state), dim=-1)  # [1, V or Vd]
+    state = drafter.step_state(torch.zeros_like(context), embed(roots))  # [B, H]
+    logp = torch.log_softmax(drafter.logits(context, state), dim=-1)  # [B, V or Vd]
     vocab = logp.shape[-1]
-    scores, top = logp[0].topk(min(num_beams, vocab))  # [width]
-    width = top.numel()
+    scores, top = logp.topk(min(num_beams, vocab), dim=-1)  # [B, width]
+    width = top.shape[1]
     top = top if ids is None else ids[top]
-    beams = torch.cat([tokens.expand(width)[:, None], top[:, None]], dim=1)
-    state = state.expand(width, -1)
+    beams = torch.stack([roots[:, None].expand(B, width), top], dim=2)  # [B, width, 2]
+    state = state[:, None].expand(B, width, -1)
     for _ in range(draft_len_per_beam - 1):
-        state = drafter.step_state(state, embed(beams[:, -1]))
-        logp = torch.log_softmax(drafter.logits(context[None].expand(width, -1), state), dim=-1)  # [width, V]
-        total = (scores[:, None] + logp).reshape(-1)
-        scores, flat = total.topk(min(num_beams, total.numel()))
-        width = flat.numel()
+        state = drafter.step_state(state, embed(beams[:, :, -1]))  # [B, width, H]
+        logp = torch.log_softmax(drafter.logits(context[:, None].expand(B, width, -1), state), dim=-1)  # [B, width, V]
+        total = (scores[:, :, None] + logp).reshape(B, -1)
+        scores, flat = total.topk(min(num_beams, total.shape[1]), dim=-1)  # [B, width']
+        width = flat.shape[1]
         parent, token = flat // vocab, flat % vocab
         token = token if ids is None else ids[token]
-        beams = torch.cat([beams[parent], token[:, None]], dim=1)
-        state = state[parent]
+        beams = torch.cat([beams.gather(1, parent[:, :, None].expand(-1, -1, beams.shape[2])), token[:, :, None]], 2)
+        state = state.gather(1, parent[:, :, None].expand(-1, -1, state.shape[2]))
     return beams

@@ -11,7 +11,7 @@ import itertools
 import pytest
 import torch
 
-from workers.redrafter.beam_search import draft_beams
+from workers.redrafter.beam_search import draft_beams, draft_beams_batch
 from workers.redrafter.drafter import DrafterConfig, ReDrafter, load_drafter
 
 
@@ -112,3 +112,16 @@ def test_beam_shapes_root_and_distinct_beams(num_beams, draft_len):
     with torch.no_grad():
         scores = [sequence_score(drafter, embed, context, 7, tuple(r[1:])) for r in beams.tolist()]
     assert all(a >= b - 1e-5 for a, b in zip(scores, scores[1:])), "beams not ordered by score"
+
+
+@pytest.mark.parametrize("num_beams,draft_len", [(1, 1), (3, 2), (4, 3)])
+def test_batched_beam_search_equals_one_sequence_at_a_time(num_beams, draft_len):
+    """In-flight batching drafts every generation request in one call; each row must be exactly
+    the beams that sequence gets alone."""
+    drafter, _, embed = random_drafter(vocab=11, hidden=8, layers=2, head_type="shared", seed=3)
+    context = torch.randn(5, 8, generator=torch.Generator().manual_seed(1))
+    roots = torch.tensor([2, 7, 2, 0, 10])
+    with torch.no_grad():
+        batched = draft_beams_batch(drafter, embed, context, roots, num_beams, draft_len)
+        for b in range(5):
+            assert torch.equal(batched[b], draft_beams(drafter, embed, context[b], int(roots[b]), num_beams, draft_len))
