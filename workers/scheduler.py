@@ -9,8 +9,9 @@ Each iteration (:meth:`Scheduler.schedule`) plans, under ``max_batch_size`` sequ
    for a non-speculative request, when the tree would pass ``max_seq_len``, exceed the token budget,
    or need KV blocks that are not free.
 2. Context phase, FCFS: running sequences with a partly computed context, then waiting sequences
-   (new or preempted; none in an iteration that preempted, as in vLLM), in chunks of at most ``max_prefill_chunk`` tokens (chunked prefill, as
-   vLLM and Sarathi-Serve do) until a budget or the free blocks run out.
+   (new or preempted; none in an iteration that preempted, as in vLLM), in chunks of at most
+   ``max_prefill_chunk`` tokens (chunked prefill, as in vLLM and Sarathi-Serve) until a budget or
+   the free blocks run out; admission stops at the first waiting sequence that does not fit.
 
 Preemption by recompute (vLLM): when a running sequence cannot get even the KV blocks of a plain
 step (or of one context token), the most recently arrived running sequence is preempted: its blocks
@@ -23,6 +24,7 @@ the whole cache, so the oldest sequence always progresses and no request starves
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -96,23 +98,21 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._by_id: dict[str, Sequence] = {}
+        self._arrivals = itertools.count()
 
     @property
     def has_unfinished(self) -> bool:
         return bool(self._by_id)
 
     def add(self, seq: Sequence) -> None:
-        """Queue a new sequence.
+        """Queue a new sequence behind every earlier one (sets its ``arrival_index``).
 
         Raises:
-            ValueError: the request id is in use; the sequence arrived before one already queued;
-                or it could never run: ``len(prompt) + max_tokens - 1`` KV slots exceed the whole
-                cache (or ``max_seq_len``).
+            ValueError: the request id is in use, or the sequence could never run: its
+                ``len(prompt) + max_tokens - 1`` KV slots exceed the whole cache (or ``max_seq_len``).
         """
         if seq.request_id in self._by_id:
             raise ValueError(f"request {seq.request_id} is already queued")
-        if self.waiting and seq.arrival_index <= self.waiting[-1].arrival_index:
-            raise ValueError(f"request {seq.request_id}: arrival_index {seq.arrival_index} is not the newest")
         capacity = self.block_manager.num_blocks * self.block_manager.block_size
         if seq.max_slots > capacity:
             raise ValueError(
@@ -125,27 +125,25 @@ class Scheduler:
                 f"({seq.max_tokens}) exceeds max_seq_len {self.config.max_seq_len}"
             )
         seq.status = SequenceStatus.WAITING
+        seq.arrival_index = next(self._arrivals)
         self.waiting.append(seq)
         self._by_id[seq.request_id] = seq
 
     def finish(self, seq: Sequence) -> None:
-        """Mark a running sequence FINISHED and free its blocks."""
-        self.running.remove(seq)
-        self._retire(seq)
+        """Mark a sequence FINISHED (stop token, ``max_tokens``) and free its blocks."""
+        self.abort(seq.request_id)
 
     def abort(self, request_id: str) -> Sequence | None:
-        """Remove a queued or running sequence and free its blocks; None if it is unknown."""
+        """Remove a waiting or running sequence, mark it FINISHED and free its blocks; None if no
+        unfinished sequence has this id."""
         seq = self._by_id.get(request_id)
         if seq is None:
             return None
         (self.running if seq.status is SequenceStatus.RUNNING else self.waiting).remove(seq)
-        self._retire(seq)
-        return seq
-
-    def _retire(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
         del self._by_id[seq.request_id]
+        return seq
 
     def schedule(self, spec_schedule: SpecSchedule = "off") -> SchedulePlan:
         """Plan one iteration (see the module docstring); ``spec_schedule`` must be validated."""

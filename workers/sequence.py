@@ -25,11 +25,8 @@ Names follow TensorRT-LLM (context/generation phase) and vLLM (block table).
 from __future__ import annotations
 
 import enum
-import itertools
 from dataclasses import dataclass, field
 from typing import Any
-
-_arrivals = itertools.count()
 
 
 class SequenceStatus(enum.Enum):
@@ -48,7 +45,7 @@ class Sequence:
     request_id: unique among unfinished sequences.
     max_tokens: most output tokens the request may produce (>= 1); sizes the admission check.
     speculative: whether the request may be decoded with a draft tree (False = plain steps only).
-    arrival_index: FCFS order; a process-wide increasing counter unless given.
+    arrival_index: FCFS position, set by ``Scheduler.add`` (-1 before).
     block_table: KV-cache block ids; token at position p lives in block ``block_table[p // block_size]``.
     extra: engine payload (sampling parameters, output stream, drafter hidden state); the scheduler
         and block manager never read it.
@@ -60,7 +57,7 @@ class Sequence:
     speculative: bool = True
     output_token_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
-    arrival_index: int = field(default_factory=lambda: next(_arrivals))
+    arrival_index: int = -1
     num_computed_tokens: int = 0
     num_preemptions: int = 0
     block_table: list[int] = field(default_factory=list)

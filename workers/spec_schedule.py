@@ -63,7 +63,9 @@ def validate_schedule(table: str | list) -> "SpecSchedule":
         try:
             rows.append(row if isinstance(row, SpecScheduleRow) else SpecScheduleRow(**row))
         except ValidationError as e:
-            problems = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'row'}: {err['msg']}" for err in e.errors())
+            problems = "; ".join(
+                f"{'.'.join(map(str, err['loc'])) or 'row'}: {err['msg']}" for err in e.errors()
+            )
             raise ValueError(f"speculation schedule row {i} ({row}): {problems}") from None
         except TypeError:
             raise ValueError(f"speculation schedule row {i}: expected a mapping, got {row!r}") from None
@@ -133,7 +135,8 @@ def derive_schedule(
         if rows and (rows[-1].num_beams, rows[-1].draft_len_per_beam) == (num_beams, draft_len):
             rows[-1] = rows[-1].model_copy(update={"max_batch_size": batch})
         else:
-            rows.append(SpecScheduleRow(max_batch_size=batch, num_beams=num_beams, draft_len_per_beam=draft_len))
+            row = SpecScheduleRow(max_batch_size=batch, num_beams=num_beams, draft_len_per_beam=draft_len)
+            rows.append(row)
     while rows and rows[-1].shape is None:
         rows.pop()
     return rows or "off"
