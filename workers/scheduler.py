@@ -154,19 +154,21 @@ class Scheduler:
         for seq in generating:
             if seq.status is SequenceStatus.RUNNING:
                 self._plan_generation(seq, tree_tokens, plan)
-        plan.spec_shape = shape if any(plan.draft_tokens) else None
+        self._plan_context_phase(plan)
+        plan.spec_shape = shape if any(plan.draft_tokens) else None  # preemption may drop trees
+        return plan
 
+    def _plan_context_phase(self, plan: SchedulePlan) -> None:
         chunk_cap = self.config.max_prefill_chunk or self.config.max_num_tokens
         for seq in [s for s in self.running if s.is_prefill]:
             if seq.status is SequenceStatus.RUNNING and not self._plan_context(seq, chunk_cap, plan):
-                return plan
+                return
         while self.waiting and not plan.preempted and len(self.running) < self.config.max_batch_size:
             if not self._plan_context(self.waiting[0], chunk_cap, plan):
-                break
+                return
             seq = self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-        return plan
 
     def _plan_generation(self, seq: Sequence, tree_tokens: int, plan: SchedulePlan) -> None:
         tokens_left = self.config.max_num_tokens - plan.num_tokens
