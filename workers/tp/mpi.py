@@ -1,0 +1,57 @@
+"""MPI for this process, imported once with the settings tensor parallelism needs.
+
+Import ``MPI`` from here, never from ``mpi4py`` directly, so that these settings precede
+``MPI_Init``:
+
+* ``mpi4py.rc.finalize = False``: the leader never calls ``MPI_Finalize``. A process can start
+  several TP groups one after another (tests do), and after a rank died ``MPI_Finalize`` crashes
+  (MPICH 5.0.2 segfaults in it). Ranks disconnect explicitly at shutdown.
+* ``PATH``: MPICH's ``MPI_Comm_spawn`` from a singleton runs ``mpiexec`` (hydra) from ``PATH``. A Ray
+  worker does not inherit a virtualenv's ``PATH``, so the interpreter's directory (where the PyPI
+  ``mpich`` package puts ``mpiexec``) goes first. In front of it goes a directory whose
+  ``mpiexec`` starts the real one in a new session (``setsid``): when a spawned rank dies, hydra
+  kills the process group of the job, and without a new session that group is the leader's own
+  (measured with MPICH 5.0.2: the leader, and pytest with it, died by SIGKILL); with it, the
+  leader lives on and reports :class:`~workers.tp.comm.RankFailure`.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import mpi4py
+
+
+def _session_mpiexec_dir(real_mpiexec: str) -> str:
+    """A temporary directory holding an ``mpiexec`` script that execs ``real_mpiexec`` after
+    ``setsid()``."""
+    d = tempfile.mkdtemp(prefix="rdserve-mpiexec-")
+    atexit.register(shutil.rmtree, d, True)
+    script = Path(d) / "mpiexec"
+    script.write_text(
+        "#!/bin/sh\n"
+        f"exec '{sys.executable}' -c 'import os, sys; os.setsid(); os.execv(sys.argv[1], sys.argv[1:])' "
+        f"'{real_mpiexec}' \"$@\"\n"
+    )
+    script.chmod(0o755)
+    return d
+
+
+def _prepare_path() -> None:
+    path = [str(Path(sys.executable).parent), os.environ.get("PATH", "")]
+    os.environ["PATH"] = os.pathsep.join(path)
+    real = shutil.which("mpiexec")
+    if real is not None:
+        os.environ["PATH"] = os.pathsep.join([_session_mpiexec_dir(real), os.environ["PATH"]])
+
+
+_prepare_path()
+mpi4py.rc.finalize = False
+from mpi4py import MPI  # noqa: E402  (after the settings above, on purpose)
+
+__all__ = ["MPI"]

@@ -1,0 +1,59 @@
+"""A non-leader rank: execute the leader's commands until it says ``shutdown``.
+
+Ranks never decide anything: every forward, logits, KV-copy and shutdown comes from the leader's
+broadcast (:mod:`workers.tp.wire`), so all ranks run the same collectives in the same order.
+A rank that fails (an exception, or a peer that died) exits with status 1; the leader then raises
+:class:`~workers.tp.comm.RankFailure` at its next wait.
+
+Entry point of spawned ranks: ``python -m workers.tp.rank_main BACKEND``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+
+import torch
+
+from workers.models.loader import load_model
+from workers.tp.comm import Communicator, RankFailure, make_communicator
+from workers.tp.mpi import MPI
+from workers.tp.wire import unpack
+from workers.tp.worker import ShardWorker
+
+
+def serve(comm: Communicator) -> None:
+    """Run commands until ``shutdown``, then disconnect. Raises what a command raises."""
+    device = getattr(comm, "device", torch.device("cpu"))
+    worker = None
+    while True:
+        op, args = unpack(comm.broadcast(), device)
+        if op == "init":
+            if args["num_threads"]:
+                torch.set_num_threads(args["num_threads"])
+            model = load_model(args["model_path"], getattr(torch, args["dtype"]), str(device))
+            worker = ShardWorker(model, args["num_slots"], comm)
+        elif op == "shutdown":
+            comm.disconnect()
+            return
+        else:
+            getattr(worker, op)(*args)
+
+
+def main() -> None:
+    parent = MPI.Comm.Get_parent()
+    try:
+        serve(make_communicator(parent.Merge(high=True), sys.argv[1], parent))
+    except RankFailure as e:
+        print(f"rdserve TP rank (pid {os.getpid()}): {e}; exiting", file=sys.stderr, flush=True)
+        os._exit(1)
+    except BaseException:
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+    MPI.Finalize()
+
+
+if __name__ == "__main__":
+    main()
