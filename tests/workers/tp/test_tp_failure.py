@@ -1,0 +1,103 @@
+"""A TP replica fails fast: a killed rank makes the leader's next call raise RankFailure within
+seconds, and a killed leader makes its ranks exit.
+
+Each scenario runs in its own leader process (MPICH cannot start another group in a process that
+lost a rank, see :func:`workers.tp.comm.group_failed`); the kills are real SIGKILLs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tiny_model import make_tiny_model_dir
+from workers.tp.comm import process_alive
+
+REPO = Path(__file__).resolve().parents[3]
+
+RANK_KILLED = """
+import json, os, sys, time, torch
+from workers.forward_batch import contiguous_batch
+from workers.tp.comm import RankFailure, process_alive
+from workers.tp.executor import TPExecutor
+
+ex = TPExecutor(sys.argv[1], 4, 64, num_threads=1)
+batch = contiguous_batch(torch.tensor([5, 9, 11]), 0)
+ex.logits(ex.forward(batch))
+victim = ex.comm.pids[2]
+os.kill(victim, 9)
+errors, t0 = [], time.monotonic()
+for call in (lambda: ex.forward(batch), lambda: ex.logits(torch.zeros(1, 64))):
+    try:
+        call()
+    except RankFailure as e:
+        errors.append(str(e))
+raise_s = time.monotonic() - t0
+ex.close()
+deadline = time.monotonic() + 10
+while time.monotonic() < deadline and any(process_alive(p) for p in ex.comm.pids[1:]):
+    time.sleep(0.1)
+try:
+    TPExecutor(sys.argv[1], 2, 64)
+    restart = "started"
+except RuntimeError as e:
+    restart = str(e)
+print(json.dumps({"victim": victim, "errors": errors, "raise_s": raise_s, "restart": restart,
+                  "survivors": [p for p in ex.comm.pids[1:] if process_alive(p)]}))
+"""
+
+LEADER_KILLED = """
+import sys, time
+from workers.tp.executor import TPExecutor
+
+ex = TPExecutor(sys.argv[1], 2, 64, num_threads=1)
+print(ex.comm.pids[1], flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_model_dir(tmp_path_factory.mktemp("tp_failure") / "m", heads=4, kv_heads=2)
+
+
+def _leader(script: str, model_dir: Path, **kw) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", script, str(model_dir)], cwd=REPO, text=True,
+                            stdout=subprocess.PIPE, **kw)
+
+
+def test_killed_rank_raises_rank_failure(model_dir):
+    proc = _leader(RANK_KILLED, model_dir)
+    out, _ = proc.communicate(timeout=180)
+    assert proc.returncode == 0, out
+    result = json.loads(out.strip().splitlines()[-1])
+    assert len(result["errors"]) == 2  # the call after the kill, and every later call
+    # hydra ends the victim's siblings, so more ranks than the victim may be named
+    assert f"TP rank 2 (pid {result['victim']})" in result["errors"][0]
+    assert result["errors"][0].endswith("exited") and result["errors"][1] == result["errors"][0]
+    assert result["raise_s"] < 5
+    assert result["survivors"] == []  # close() ended the ranks that were still alive
+    assert "restart the process" in result["restart"]
+
+
+def test_killed_leader_makes_ranks_exit(model_dir):
+    proc = _leader(LEADER_KILLED, model_dir)
+    try:
+        rank_pid = int(proc.stdout.readline())
+        assert process_alive(rank_pid)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and process_alive(rank_pid):
+            time.sleep(0.1)
+        assert not process_alive(rank_pid)
+    finally:
+        proc.kill()
+        proc.wait()
