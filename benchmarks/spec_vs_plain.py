@@ -87,7 +87,7 @@ def main() -> None:
     summary = {cat: summarize([r for r in rows if r["category"] == cat]) for cat in by_cat}
     summary["all"] = summarize(rows)
     lines = [
-        f"num_beams={engine.num_beams}, draft_len_per_beam={engine.draft_len_per_beam}, dtype={e.dtype}, "
+        f"num_beams={engine.options.num_beams}, draft_len_per_beam={engine.options.draft_len_per_beam}, dtype={e.dtype}, "
         f"threads={torch.get_num_threads()}, max_tokens={args.max_tokens}, runs={args.runs} (median)",
         "",
         "| category | prompts | plain tokens/s | spec tokens/s | speedup | spec tokens/step |",

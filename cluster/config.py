@@ -17,6 +17,8 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
+from workers.spec_schedule import SpecSchedule
+
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
@@ -59,6 +61,16 @@ class EngineConfig(_Section):
     draft_len_per_beam: int = Field(4, ge=1, le=16, description="draft tokens per beam")
     max_seq_len: int = Field(2048, ge=16, description="context length: prompt + completion tokens")
     num_threads: int | None = Field(None, ge=1, description="torch intra-op threads; null = cores / replicas")
+    spec_schedule: SpecSchedule | None = Field(
+        None, description="'off' or rows {max_batch_size, num_beams, draft_len_per_beam} (speculation "
+        "schedule by number of generation requests); null = num_beams x draft_len_per_beam at every batch size",
+    )
+    max_batch_size: int = Field(16, ge=1, description="requests decoded together (in-flight batching)")
+    max_num_tokens: int = Field(2048, ge=16, description="tokens per iteration: context chunks + draft trees")
+    max_prefill_chunk: int | None = Field(512, ge=1, description="context tokens of one request per iteration")
+    tokens_per_block: int = Field(16, ge=1, description="paged KV cache block size")
+    num_kv_blocks: int | None = Field(None, ge=1, description="KV cache blocks; null = sized by kv_cache_fraction")
+    kv_cache_fraction: float = Field(0.2, gt=0, le=1, description="share of free memory for the KV cache")
 
 
 class RouterConfig(_Section):

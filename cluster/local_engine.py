@@ -15,14 +15,18 @@ def build_engine(cfg: RdserveConfig):
 
     Returns a ``workers.engine.Engine``.
     """
-    from workers.engine import Engine
+    from workers.engine import Engine, EngineOptions
     from workers.models.pull import pull_default
 
     eng = cfg.engine
     model_dir = cfg.model.path or pull_default()
     drafter_dir = cfg.drafter.path
-    return Engine(
-        str(model_dir), str(drafter_dir) if drafter_dir else None, device=eng.device, dtype=eng.dtype,
-        num_beams=eng.num_beams, draft_len_per_beam=eng.draft_len_per_beam, max_seq_len=eng.max_seq_len,
+    options = EngineOptions(
+        device=eng.device, dtype=eng.dtype, num_beams=eng.num_beams, draft_len_per_beam=eng.draft_len_per_beam,
+        spec_schedule=eng.spec_schedule, max_seq_len=eng.max_seq_len, max_batch_size=eng.max_batch_size,
+        max_num_tokens=eng.max_num_tokens, max_prefill_chunk=eng.max_prefill_chunk,
+        tokens_per_block=eng.tokens_per_block, num_kv_blocks=eng.num_kv_blocks,
+        kv_cache_fraction=eng.kv_cache_fraction,
         num_threads=eng.num_threads or max(1, (os.cpu_count() or 1) // cfg.serve.replicas),
     )
+    return Engine(str(model_dir), str(drafter_dir) if drafter_dir else None, options)

@@ -1,18 +1,16 @@
-"""One engine replica: owns an ``Engine``, tracks its load, routes and streams one request at a time.
+"""One engine replica: owns an engine, tracks its load, routes each request and streams it.
 
-The engine's ``generate`` is a blocking, CPU-heavy generator. Every call into the engine (tokenize,
-each decoding step, close) runs on this replica's single engine thread, so the asyncio event loop
-never blocks and the engine (and its tokenizer) is never used from two threads at once. An asyncio
-lock admits one generation at a time; requests waiting for it count as queued load.
+The engine runs on its own thread (:class:`workers.async_engine.AsyncEngine`) and decodes every
+admitted request together (in-flight batching); tokenization runs on that thread too, so the asyncio
+event loop never blocks and the tokenizer is never used from two threads at once. A client that goes
+away aborts its request, which frees its KV blocks at the next iteration.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 from ray import serve
@@ -21,6 +19,7 @@ from cluster.config import RdserveConfig
 from cluster.local_engine import build_engine
 from cluster.protocol import RequestError, resolve_max_tokens
 from cluster.router import choose_mode
+from workers.async_engine import AsyncEngine, EngineFailure
 from workers.engine import GenerationDelta
 from workers.sampling import SamplingParams
 
@@ -69,18 +68,15 @@ class EngineReplica:
 
     def __init__(self, cfg: RdserveConfig):
         self.engine = build_engine(cfg)
+        self.async_engine = AsyncEngine(self.engine)
         self.router = cfg.router
         self.load = 0
-        self._lock = asyncio.Lock()
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        log.info("%s", self.engine.kv_size)
         log.info("engine ready: model %s, drafter %s", cfg.model.path or "default", cfg.drafter.path)
 
     def stats(self) -> dict:
         """``{"load": running + queued requests, "speculative_available": bool}``."""
         return {"load": self.load, "speculative_available": self.engine.speculative_available}
-
-    async def _on_engine_thread(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
 
     async def generate(self, req: EngineRequest) -> AsyncIterator[Started | Failed | GenerationDelta]:
         self.load += 1
@@ -88,6 +84,8 @@ class EngineReplica:
             async with contextlib.aclosing(self._generate(req)) as items:
                 async for item in items:
                     yield item
+        except EngineFailure as err:  # an iteration failed: every request in it ends with 500
+            yield Failed(500, str(err))
         except Exception as err:  # an engine failure must end the stream, never hang it
             log.exception("generation failed")
             yield Failed(500, f"engine error: {type(err).__name__}: {err}")
@@ -98,9 +96,9 @@ class EngineReplica:
         prompt_field = "messages" if req.messages is not None else "prompt"
         try:
             if req.messages is not None:
-                prompt_ids = await self._on_engine_thread(self.engine.encode_chat, req.messages)
+                prompt_ids = await self.async_engine.call(self.engine.encode_chat, req.messages)
             else:
-                prompt_ids = await self._on_engine_thread(self.engine.encode_prompt, req.prompt)
+                prompt_ids = await self.async_engine.call(self.engine.encode_prompt, req.prompt)
             max_tokens = resolve_max_tokens(
                 req.max_tokens, len(prompt_ids), self.engine.max_seq_len,
                 prompt_field=prompt_field, max_tokens_field=req.max_tokens_field,
@@ -114,13 +112,10 @@ class EngineReplica:
         mode, reason = choose_mode(self.load, req.mode, self.router, self.engine.speculative_available)
         log.info("request: %d prompt tokens, max_tokens %d, mode %s (%s)", len(prompt_ids), max_tokens, mode, reason)
         yield Started(len(prompt_ids), mode, reason)
-        async with self._lock:
-            steps = self.engine.generate(prompt_ids, replace(req.sampling, max_tokens=max_tokens), mode)
-            try:
-                while (delta := await self._on_engine_thread(next, steps, None)) is not None:
+        params = replace(req.sampling, max_tokens=max_tokens)
+        try:
+            async with contextlib.aclosing(self.async_engine.generate(prompt_ids, params, mode)) as deltas:
+                async for delta in deltas:
                     yield delta
-                    if delta.finished:
-                        return
-            finally:
-                # Queued behind any step still running; stops the generation if the client went away.
-                self._thread.submit(steps.close)
+        except ValueError as err:  # rejected by the engine (e.g. more than the KV cache can hold)
+            yield Failed(400, f"{prompt_field}: {err}", prompt_field)

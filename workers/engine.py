@@ -1,43 +1,49 @@
-"""The engine: one base model, an optional ReDrafter draft head, and the decoding loop.
+"""The engine: in-flight batching of many requests over one base model and a ReDrafter draft head.
 
-A request's way through the engine: context phase (prefill of the prompt, which yields the first
-token), then generation-phase steps. A plain step feeds the last token and yields one token. A
-speculative step (ReDrafter arXiv 2403.09919 Sec. 3) drafts ``num_beams`` beams of
-``draft_len_per_beam`` tokens by beam search, packs them into a prefix tree, verifies the whole
-tree in one base-model forward with tree attention, keeps the longest accepted prefix plus a
-bonus token, and compacts the accepted path in the KV cache.
+A request's way through the engine: :meth:`Engine.add_request` queues it; every :meth:`Engine.step`
+(one iteration) the scheduler plans context chunks (chunked prefill) and generation steps under the
+batch and token budgets, the speculation schedule picks the draft-tree shape for the number of
+generation requests, and the model runner executes the plan in one base-model forward
+(ReDrafter arXiv 2403.09919 Sec. 3: draft beams, prefix tree, tree attention, longest accepted
+prefix plus a bonus token). Each step returns the requests' new text; finished and aborted requests
+free their KV blocks before the next iteration.
 
-This engine runs one request at a time; in-flight batching and the paged KV cache come with the
-scheduler (see ``workers/README.md``).
+The engine is synchronous and single-threaded; :mod:`workers.async_engine` runs it on a background
+thread for servers.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 import torch
 
+from workers.block_manager import BlockManager, KVCacheSize, kv_bytes_per_token, size_kv_cache
 from workers.executor import LocalExecutor
-from workers.forward_batch import contiguous_batch
+from workers.model_runner import ModelRunner, RequestState
 from workers.models.loader import load_model
 from workers.models.tokenizer import apply_chat_template, load_tokenizer
-from workers.redrafter.beam_search import draft_beams
 from workers.redrafter.drafter import load_drafter
-from workers.speculative_step import plain_step, speculative_step
-from workers.sampling import SamplingParams, adjusted_probs, make_generator, sample
+from workers.sampling import SamplingParams, make_generator
+from workers.scheduler import Scheduler, SchedulerConfig
+from workers.sequence import Sequence
+from workers.spec_schedule import SpecScheduleRow, validate_schedule
 from workers.stopping import OutputStream
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 MODES = ("spec", "plain")
+log = logging.getLogger(__name__)
 
 
 @dataclass
 class GenerationDelta:
-    """What one decoding step added to a request's output.
+    """What one iteration added to a request's output.
 
     Counters are cumulative. ``num_steps`` counts generation-phase steps (forward passes after the
-    context phase); ``accepted_draft_tokens`` counts drafted tokens the base model accepted.
+    context phase); ``accepted_draft_tokens`` counts drafted tokens the base model accepted and the
+    request emitted.
     """
 
     text: str
@@ -48,6 +54,7 @@ class GenerationDelta:
     completion_tokens: int
     num_steps: int
     accepted_draft_tokens: int
+    request_id: str = ""
 
     @property
     def tokens_per_step(self) -> float:
@@ -55,47 +62,106 @@ class GenerationDelta:
         return (self.accepted_draft_tokens + self.num_steps) / self.num_steps if self.num_steps else 0.0
 
 
+@dataclass
+class EngineOptions:
+    """Engine settings (TensorRT-LLM option names where they exist).
+
+    num_beams, draft_len_per_beam: the draft-tree shape when ``spec_schedule`` is None (then used at
+        every batch size).
+    spec_schedule: ``"off"`` or rows ``{max_batch_size, num_beams, draft_len_per_beam}``
+        (:mod:`workers.spec_schedule`).
+    max_batch_size, max_num_tokens, max_prefill_chunk: scheduler budgets per iteration.
+    tokens_per_block: paged KV-cache block size; num_kv_blocks or kv_cache_fraction (of memory
+        available after loading the weights) sizes the cache; it is capped at what
+        ``max_batch_size`` full-length sequences need.
+    """
+
+    device: str = "cpu"
+    dtype: str = "float32"
+    num_beams: int = 2
+    draft_len_per_beam: int = 2
+    spec_schedule: str | list | None = None
+    max_seq_len: int = 2048
+    max_batch_size: int = 16
+    max_num_tokens: int = 2048
+    max_prefill_chunk: int | None = 512
+    tokens_per_block: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_fraction: float = 0.2
+    num_threads: int | None = None
+
+
 class Engine:
     """Loads a Hugging Face model directory and (optionally) a drafter directory.
 
     Raises:
-        FileNotFoundError, ValueError: unreadable model/drafter or mismatched shapes.
+        FileNotFoundError, ValueError: unreadable model/drafter, mismatched shapes, bad options.
     """
 
-    def __init__(
-        self,
-        model_path: str,
-        drafter_path: str | None,
-        *,
-        device: str = "cpu",
-        dtype: str = "float32",
-        num_beams: int = 4,
-        draft_len_per_beam: int = 4,
-        max_seq_len: int = 2048,
-        num_threads: int | None = None,
-    ):
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-        if num_threads:
-            torch.set_num_threads(num_threads)
-        self.device = torch.device(device)
-        self.model = load_model(model_path, DTYPES[dtype], device)
+    def __init__(self, model_path: str, drafter_path: str | None, options: EngineOptions | None = None,
+                 executor_factory=None, **overrides):
+        """``overrides``: :class:`EngineOptions` fields replacing those of ``options``.
+
+        ``executor_factory(model, num_slots)`` builds the executor (default :class:`LocalExecutor`;
+        the tensor-parallel executor for ``tp_size > 1``).
+        """
+        opts = replace(options or EngineOptions(), **overrides)
+        if opts.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {opts.dtype!r}")
+        if opts.num_threads:
+            torch.set_num_threads(opts.num_threads)
+        self.options = opts
+        self.device = torch.device(opts.device)
+        dtype = DTYPES[opts.dtype]
+        model = load_model(model_path, dtype, opts.device)
         self.tokenizer = load_tokenizer(model_path)
-        cfg = self.model.config
-        self.max_seq_len = min(max_seq_len, cfg.max_position_embeddings)
-        self.num_beams = num_beams
-        self.draft_len_per_beam = draft_len_per_beam
+        cfg = model.config
+        self.config = cfg
+        self.model = model
+        self.max_seq_len = min(opts.max_seq_len, cfg.max_position_embeddings)
         self.drafter = None
         if drafter_path:
-            self.drafter = load_drafter(drafter_path, self.model.lm_head.weight, DTYPES[dtype], device)
-        self.executor = LocalExecutor(self.model, self.max_seq_len + num_beams * draft_len_per_beam + 1)
+            self.drafter = load_drafter(drafter_path, model.lm_head.weight, dtype, opts.device)
+        if opts.spec_schedule is None:
+            table = [SpecScheduleRow(max_batch_size=opts.max_batch_size, num_beams=opts.num_beams,
+                                     draft_len_per_beam=opts.draft_len_per_beam)]
+        else:
+            table = opts.spec_schedule
+        self.spec_schedule = validate_schedule(table)
+        self.kv_size = self._size_cache(cfg, dtype)
+        log.info("%s", self.kv_size)
+        self.blocks = BlockManager(self.kv_size.num_blocks, opts.tokens_per_block)
+        make = executor_factory or LocalExecutor
+        self.executor = make(model, self.blocks.num_slots - 1)
+        self.runner = ModelRunner(self.executor, self.blocks, self.drafter)
+        self.scheduler = Scheduler(
+            SchedulerConfig(opts.max_batch_size, opts.max_num_tokens, opts.max_prefill_chunk, self.max_seq_len),
+            self.blocks,
+        )
         self.eos_token_ids = set(cfg.eos_token_id)
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
 
+    def _size_cache(self, cfg, dtype) -> KVCacheSize:
+        opts = self.options
+        per_token = kv_bytes_per_token(cfg, dtype)
+        rows = [] if self.spec_schedule == "off" else self.spec_schedule
+        max_tree = max((r.num_beams * r.draft_len_per_beam for r in rows), default=0)
+        need_tokens = opts.max_batch_size * (self.max_seq_len + max_tree + opts.tokens_per_block)
+        cap = -(-need_tokens // opts.tokens_per_block)
+        if opts.num_kv_blocks is not None:
+            return size_kv_cache(per_token, opts.tokens_per_block, num_blocks=opts.num_kv_blocks)
+        size = size_kv_cache(per_token, opts.tokens_per_block, kv_cache_fraction=opts.kv_cache_fraction,
+                             free_bytes=_free_memory_bytes(self.device))
+        return replace(size, num_blocks=min(size.num_blocks, cap))
+
     @property
     def speculative_available(self) -> bool:
         return self.drafter is not None
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.scheduler.running) + len(self.scheduler.waiting)
 
     def encode_prompt(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -103,13 +169,13 @@ class Engine:
     def encode_chat(self, messages: list[dict]) -> list[int]:
         return apply_chat_template(self.tokenizer, messages)
 
-    @torch.inference_mode()
-    def generate(self, prompt_ids: list[int], params: SamplingParams, mode: str) -> Iterator[GenerationDelta]:
-        """Decode one request; yields one :class:`GenerationDelta` per step, the last one finished.
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams, mode: str) -> None:
+        """Queue a request.
 
         Raises:
             ValueError: empty prompt, prompt that leaves no room in ``max_seq_len``, unknown mode,
-                or ``mode="spec"`` without a drafter.
+                ``mode="spec"`` without a drafter, a request id in use, or a request the KV cache
+                could never hold.
         """
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -121,51 +187,78 @@ class Engine:
         if n_prompt >= self.max_seq_len:
             raise ValueError(f"prompt has {n_prompt} tokens; the context holds {self.max_seq_len}")
         budget = min(params.max_tokens, self.max_seq_len - n_prompt)
-        stream = OutputStream(self.tokenizer, replace(params, max_tokens=budget), self.eos_token_ids)
+        params = replace(params, max_tokens=budget)
+        seq = Sequence(request_id, list(prompt_ids), budget, speculative=mode == "spec")
         generator = None if params.greedy else make_generator(params.seed, self.device)
-        hidden = self._prefill(prompt_ids)
-        length = n_prompt  # committed tokens in the KV cache (slots 0..length-1)
-        root = self._choose(hidden[None], params, generator)[0]
-        steps = accepted = produced = 0
+        seq.extra["state"] = RequestState(params, generator)
+        seq.extra["stream"] = OutputStream(self.tokenizer, params, self.eos_token_ids)
+        seq.extra["steps"] = seq.extra["accepted"] = 0
+        self.scheduler.add(seq)
 
-        def delta(tokens: list[int]) -> GenerationDelta:
-            out = stream.append(tokens)
-            return GenerationDelta(
-                out.text, out.token_ids, out.finished, out.finish_reason, n_prompt,
-                len(stream.token_ids), steps, accepted,
-            )
+    def abort(self, request_id: str) -> bool:
+        """Drop a request; its KV blocks are free before the next iteration. False if unknown."""
+        return self.scheduler.abort(request_id) is not None
 
-        produced = 1
-        d = delta([root])
-        yield d
-        while not d.finished:
-            remaining = budget - produced
-            draft_len = min(self.draft_len_per_beam, remaining - 1)
-            if mode == "spec" and draft_len >= 1:
-                beams = draft_beams(
-                    self.drafter, self.model.model.embed_tokens, hidden, root, self.num_beams, draft_len
-                )
-                tokens, hidden = speculative_step(self.executor, length, beams, params, generator)
-            else:
-                tokens, hidden = plain_step(self.executor, length, root, params, generator)
-            length += len(tokens)
-            steps += 1
-            produced += len(tokens)
-            root = tokens[-1]
+    @torch.inference_mode()
+    def step(self) -> list[GenerationDelta]:
+        """Run one iteration; returns a delta for each request that emitted tokens (or finished)."""
+        plan = self.scheduler.schedule(self.spec_schedule)
+        if not plan.context and not plan.generation:
+            return []
+        limits = {}
+        for seq, draft in zip(plan.generation, plan.draft_tokens):
+            remaining = seq.max_tokens - len(seq.output_token_ids)
+            limits[seq.request_id] = min(plan.spec_shape[1], remaining - 1) if draft and plan.spec_shape else 0
+        results = self.runner.run(plan.context, plan.generation, plan.spec_shape, limits)
+        deltas = []
+        for r in results:
+            if not r.tokens:
+                continue
+            seq, stream = r.seq, r.seq.extra["stream"]
             emitted = len(stream.token_ids)
-            d = delta(tokens)
-            # accepted draft tokens that were emitted (a stop inside the block drops the rest)
-            accepted += min(len(tokens) - 1, d.completion_tokens - emitted)
-            d.accepted_draft_tokens = accepted
-            yield d
+            out = stream.append(r.tokens)
+            if r.generation_step:
+                seq.extra["steps"] += 1
+                # accepted draft tokens that were emitted (a stop inside the block drops the rest)
+                seq.extra["accepted"] += min(r.accepted_draft_tokens, len(stream.token_ids) - emitted)
+            deltas.append(GenerationDelta(
+                out.text, out.token_ids, out.finished, out.finish_reason, len(seq.prompt_token_ids),
+                len(stream.token_ids), seq.extra["steps"], seq.extra["accepted"], seq.request_id,
+            ))
+            if out.finished:
+                self.scheduler.finish(seq)
+        return deltas
 
-    def _prefill(self, prompt_ids: list[int]) -> torch.Tensor:
-        """Context phase; returns the hidden state ``[H]`` of the last prompt token."""
-        batch = contiguous_batch(torch.tensor(prompt_ids, device=self.device), 0)
-        return self.executor.forward(batch)[-1]
+    def generate(self, prompt_ids: list[int], params: SamplingParams, mode: str,
+                 request_id: str = "generate") -> Iterator[GenerationDelta]:
+        """Decode one request alone (other queued requests run too); yields its deltas, the last
+        one finished. Closing the iterator early aborts the request.
 
-    def _choose(self, hidden: torch.Tensor, params: SamplingParams, generator) -> list[int]:
-        logits = self.model.logits(hidden)
-        if params.greedy:
-            return logits.argmax(-1).tolist()
-        return sample(adjusted_probs(logits, params), generator).tolist()
+        Raises:
+            ValueError: see :meth:`add_request`.
+        """
+        self.add_request(request_id, prompt_ids, params, mode)
+        finished = False
+        try:
+            while not finished:
+                for d in self.step():
+                    if d.request_id == request_id:
+                        finished = d.finished
+                        yield d
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def close(self) -> None:
+        self.executor.close()
+
+
+def _free_memory_bytes(device: torch.device) -> int:
+    """Memory available for the KV cache now: CUDA free memory, or the OS's MemAvailable."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("cannot read MemAvailable from /proc/meminfo")

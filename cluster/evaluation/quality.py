@@ -141,7 +141,8 @@ def engine_top2_gap(cfg) -> GapFn:
     def gap(row: PromptRow, prefix: list[int]) -> float:
         ids = (engine.encode_chat(row.messages) if row.messages is not None else engine.encode_prompt(row.prompt))
         ids = ids + list(prefix)
-        hidden = engine._prefill(ids)
+        cache = engine.model.new_cache(len(ids))
+        hidden = engine.model(cache, contiguous_batch(torch.tensor(ids), 0))[-1]
         top = torch.log_softmax(engine.model.logits(hidden[None]).float(), -1)[0].topk(2).values
         return float(top[0] - top[1])
 

@@ -103,8 +103,8 @@ def test_greedy_spec_matches_plain_over_random_cases(engines):
             params = SamplingParams(max_tokens=params.max_tokens, stop=(rng.choice(stops),))
             plain = run(engine, prompt, params, "plain")
         spec = run(engine, prompt, params, "spec")
-        assert_same(spec, plain, f"case {case}: {variant} beams={engine.num_beams} "
-                                 f"draft_len={engine.draft_len_per_beam} params={params}")
+        assert_same(spec, plain, f"case {case}: {variant} beams={engine.options.num_beams} "
+                                 f"draft_len={engine.options.draft_len_per_beam} params={params}")
         multi_token_steps += sum(a >= 2 for a in spec.step_accepted)
     assert multi_token_steps >= 20, "the drafter was rarely accepted; the comparison is weak"
 

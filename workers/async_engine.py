@@ -1,0 +1,151 @@
+"""Asynchronous engine API: submit a request, stream its deltas, abort it by request id.
+
+The :class:`~workers.engine.Engine` is synchronous and not thread-safe, so one background thread owns
+it: it drains submitted commands (new requests, aborts, calls such as tokenization) between
+iterations and runs :meth:`Engine.step` while any request is unfinished. asyncio callers receive
+their deltas through per-request queues. A request whose consumer stops early (a client that
+disconnected) is aborted, and its KV blocks are free at the next iteration. An exception inside an
+iteration fails every request then in flight with that error (none hangs) and the engine goes on
+with new requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
+
+from workers.engine import Engine, GenerationDelta
+from workers.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class EngineFailure(RuntimeError):
+    """An iteration failed; every request in flight gets this error."""
+
+
+class AsyncEngine:
+    """Owns an :class:`Engine` on a background thread (started at construction)."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._sinks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._ids = itertools.count()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def num_requests(self) -> int:
+        """Requests submitted and not yet finished (the replica's load)."""
+        return len(self._sinks)
+
+    async def call(self, fn: Callable, *args):
+        """Run ``fn(*args)`` on the engine thread between iterations (tokenizer, engine queries)."""
+        future: Future = Future()
+        self._submit(("call", fn, args, future))
+        return await asyncio.wrap_future(future)
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, mode: str,
+                       request_id: str | None = None) -> AsyncIterator[GenerationDelta]:
+        """Stream the request's deltas, the last one finished.
+
+        Raises:
+            ValueError: the engine rejected the request (see :meth:`Engine.add_request`).
+            EngineFailure: an iteration failed while the request was in flight.
+        """
+        rid = request_id or f"req-{next(self._ids)}"
+        sink: asyncio.Queue = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        if rid in self._sinks:
+            raise ValueError(f"request id {rid!r} is in use")
+        self._sinks[rid] = (loop, sink)
+        self._submit(("add", rid, list(prompt_ids), params, mode))
+        finished = False
+        try:
+            while True:
+                item = await sink.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._sinks.pop(rid, None)
+            if not finished:
+                self._submit(("abort", rid))
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request; its KV blocks are free before the next iteration."""
+        self._submit(("abort", request_id))
+
+    def shutdown(self) -> None:
+        self._stopped = True
+        self._wake.set()
+        self._thread.join(timeout=30)
+        self.engine.close()
+
+    def _submit(self, command: tuple) -> None:
+        self._commands.put(command)
+        self._wake.set()
+
+    def _deliver(self, rid: str, item) -> None:
+        target = self._sinks.get(rid)
+        if target is not None:
+            loop, sink = target
+            loop.call_soon_threadsafe(sink.put_nowait, item)
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            kind = command[0]
+            if kind == "add":
+                _, rid, prompt_ids, params, mode = command
+                if rid not in self._sinks:  # the consumer already left
+                    continue
+                try:
+                    self.engine.add_request(rid, prompt_ids, params, mode)
+                except ValueError as err:
+                    self._deliver(rid, err)
+            elif kind == "abort":
+                self.engine.abort(command[1])
+            else:
+                _, fn, args, future = command
+                try:
+                    future.set_result(fn(*args))
+                except Exception as err:  # handed to the caller
+                    future.set_exception(err)
+
+    def _loop(self) -> None:
+        while not self._stopped:
+            self._drain()
+            if not self.engine.num_unfinished:
+                self._wake.wait()
+                self._wake.clear()
+                continue
+            try:
+                deltas = self.engine.step()
+            except Exception as err:
+                log.exception("engine iteration failed")
+                self._fail_all(EngineFailure(f"engine error: {type(err).__name__}: {err}"))
+                continue
+            for d in deltas:
+                self._deliver(d.request_id, d)
+
+    def _fail_all(self, err: EngineFailure) -> None:
+        scheduler = self.engine.scheduler
+        for seq in list(scheduler.running) + list(scheduler.waiting):
+            scheduler.abort(seq.request_id)
+            self._deliver(seq.request_id, err)

@@ -1,0 +1,224 @@
+"""Executes one iteration's plan: draft, pack, one base-model forward, sample/accept, compact KV.
+
+The scheduler decides which requests run and the speculation shape; this runner only carries the
+plan out (nano-vllm's ``model_runner``; TensorRT-LLM's in-flight batching runtime):
+
+1. Generation requests that speculate get their draft beams, all in one batched ReDrafter beam
+   search (arXiv 2403.09919 Sec. 3.2), packed into one prefix tree each.
+2. Context chunks and generation tokens (root token plus draft tree, or the root alone for plain
+   decoding) are packed into one :class:`ForwardBatch`: each context chunk is its own attention
+   group; all generation requests form one group padded to the largest tree.
+3. One executor forward; logits only for the rows that need them.
+4. Per request: greedy acceptance or exact speculative sampling (plain decoding is a tree of one
+   node), and the accepted path's keys/values are moved to the committed positions (one
+   ``copy_slots`` for the whole iteration), so rejected draft tokens leave no trace (Sec. 3.3).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from workers.block_manager import BlockManager
+from workers.forward_batch import AttentionGroup, ForwardBatch
+from workers.redrafter.acceptance import accept_greedy, accept_sampled
+from workers.redrafter.beam_search import draft_beams_batch
+from workers.redrafter.drafter import ReDrafter
+from workers.redrafter.tree import PrefixTree, build_prefix_tree
+from workers.sampling import SamplingParams, adjusted_probs, sample
+from workers.sequence import Sequence
+
+
+@dataclass
+class StepResult:
+    """What one iteration produced for one request.
+
+    tokens: new output tokens (accepted draft tokens + the bonus token; the first token for a
+        finished context phase); empty for a context chunk that did not finish the context.
+    accepted_draft_tokens: how many of ``tokens`` were drafted.
+    generation_step: True for a generation-phase step (counts towards tokens per step).
+    """
+
+    seq: Sequence
+    tokens: list[int]
+    accepted_draft_tokens: int
+    generation_step: bool
+
+
+@dataclass
+class RequestState:
+    """What the runner keeps per request in ``seq.extra['state']``.
+
+    hidden: ``[hidden_size]`` base hidden state that chose the last output token (the drafter's
+        context), None before the first token.
+    """
+
+    params: SamplingParams
+    generator: torch.Generator | None
+    hidden: torch.Tensor | None = None
+
+
+@dataclass
+class _GenRow:
+    seq: Sequence
+    tree: PrefixTree | None  # None: plain step (the root alone)
+    length: int  # committed tokens (L): the root is written at position L
+
+    @property
+    def num_nodes(self) -> int:
+        return 1 if self.tree is None else self.tree.num_nodes
+
+
+class ModelRunner:
+    """Runs plans on an executor (:class:`workers.executor.LocalExecutor` or the TP executor)."""
+
+    def __init__(self, executor, block_manager: BlockManager, drafter: ReDrafter | None):
+        self.executor = executor
+        self.blocks = block_manager
+        self.drafter = drafter
+        self.device = executor.device
+
+    @torch.inference_mode()
+    def run(self, context: list[tuple[Sequence, int, int]], generation: list[Sequence],
+            spec_shape: tuple[int, int] | None, draft_limits: dict[str, int] | None = None) -> list[StepResult]:
+        """Execute one iteration.
+
+        Args:
+            context: ``(seq, start, num_tokens)`` prefill chunks: positions ``[start, start + n)``.
+            generation: sequences in the generation phase (``num_computed_tokens == num_tokens - 1``).
+            spec_shape: ``(num_beams, draft_len_per_beam)`` for sequences with ``seq.speculative``,
+                or None for plain steps only.
+            draft_limits: request id -> most draft tokens this step may add (a request near its
+                token limit drafts fewer; 0 means a plain step). Missing ids: no limit.
+
+        Returns:
+            one :class:`StepResult` per scheduled sequence, context chunks first. Sequences'
+            ``num_computed_tokens`` and ``output_token_ids`` are updated.
+        """
+        rows = self._draft(generation, spec_shape, draft_limits or {})
+        batch, logit_rows, last_rows = self._pack(context, rows)
+        hidden = self.executor.forward(batch.to(self.device) if self.device.type != "cpu" else batch)
+        logits = self.executor.logits(hidden[logit_rows]) if logit_rows else None
+        results, copies_src, copies_dst = [], [], []
+        cursor = 0  # row of ``logits``
+        for (seq, start, n), last in zip(context, last_rows):
+            seq.num_computed_tokens = start + n
+            state: RequestState = seq.extra["state"]
+            if seq.is_prefill or seq.output_token_ids:
+                if not seq.is_prefill:  # recomputed after preemption: the last output token is known
+                    state.hidden = hidden[last]
+                results.append(StepResult(seq, [], 0, False))
+                continue
+            token = self._choose(logits[cursor : cursor + 1], state)[0]
+            state.hidden = hidden[last]
+            cursor += 1
+            seq.output_token_ids.append(token)
+            results.append(StepResult(seq, [token], 0, False))
+        gen_start = batch.groups[-1].start if rows else 0
+        width = batch.groups[-1].seq_len if rows else 0
+        for i, row in enumerate(rows):
+            seq, state = row.seq, row.seq.extra["state"]
+            node_logits = logits[cursor : cursor + row.num_nodes]
+            cursor += row.num_nodes
+            if row.tree is None:
+                path, bonus = [0], self._choose(node_logits, state)[0]
+            elif state.params.greedy:
+                path, bonus = accept_greedy(row.tree, node_logits.argmax(-1).tolist())
+            else:
+                path, bonus = accept_sampled(row.tree, adjusted_probs(node_logits, state.params), state.generator)
+            L = row.length
+            if path != list(range(len(path))):
+                copies_src.append(self.blocks.slots(seq, L, L + row.num_nodes)[path])
+                copies_dst.append(self.blocks.slots(seq, L, L + len(path)))
+            drafted = [] if row.tree is None else row.tree.tokens[path[1:]].tolist()
+            state.hidden = hidden[gen_start + i * width + path[-1]]
+            seq.num_computed_tokens = L + len(path)
+            seq.output_token_ids.extend(drafted + [bonus])
+            results.append(StepResult(seq, drafted + [bonus], len(drafted), True))
+        if copies_src:
+            self.executor.copy_slots(torch.cat(copies_src).to(self.device), torch.cat(copies_dst).to(self.device))
+        return results
+
+    def _draft(self, generation: list[Sequence], spec_shape, limits: dict[str, int]) -> list[_GenRow]:
+        rows = [_GenRow(seq, None, seq.num_computed_tokens) for seq in generation]
+        if spec_shape is None or self.drafter is None:
+            return rows
+        num_beams, draft_len = spec_shape
+        spec = [r for r in rows if r.seq.speculative and limits.get(r.seq.request_id, draft_len) >= 1]
+        if not spec:
+            return rows
+        context = torch.stack([r.seq.extra["state"].hidden for r in spec])
+        roots = torch.tensor([r.seq.output_token_ids[-1] for r in spec], device=context.device)
+        beams = draft_beams_batch(self.drafter, self.executor.embed, context, roots, num_beams, draft_len).cpu()
+        for r, b in zip(spec, beams):
+            limit = min(draft_len, limits.get(r.seq.request_id, draft_len))
+            r.tree = build_prefix_tree(b[:, : limit + 1])
+        return rows
+
+    def _pack(self, context, rows: list[_GenRow]) -> tuple[ForwardBatch, list[int], list[int]]:
+        """Pack context chunks and generation rows; returns the batch, the rows needing logits and
+        each context chunk's last row."""
+        ids, pos, slots, groups, logit_rows, last_rows = [], [], [], [], [], []
+        n_rows = 0
+        for seq, start, n in context:
+            tokens = (seq.prompt_token_ids + seq.output_token_ids)[start : start + n]
+            kv = self.blocks.slots(seq, 0, start + n)
+            ids.append(torch.tensor(tokens))
+            pos.append(torch.arange(start, start + n))
+            slots.append(kv[start:])
+            mask = torch.ones(n, start + n, dtype=torch.bool)
+            mask[:, start:] = torch.ones(n, n, dtype=torch.bool).tril()
+            groups.append(AttentionGroup(n_rows, 1, n, kv[None], mask[None, None], self._run_start(seq, start + n)))
+            n_rows += n
+            last_rows.append(n_rows - 1)
+            if start + n == seq.num_context_tokens and not seq.output_token_ids:
+                logit_rows.append(n_rows - 1)
+        if rows:
+            width = max(r.num_nodes for r in rows)
+            kv_len = max(r.length + width for r in rows)
+            trash = self.blocks.trash_slot
+            g_ids = torch.zeros(len(rows), width, dtype=torch.long)
+            g_pos = torch.zeros(len(rows), width, dtype=torch.long)
+            g_slots = torch.full((len(rows), width), trash, dtype=torch.long)
+            kv_slots = torch.full((len(rows), kv_len), trash, dtype=torch.long)
+            mask = torch.zeros(len(rows), 1, width, kv_len, dtype=torch.bool)
+            for i, r in enumerate(rows):
+                L, m = r.length, r.num_nodes
+                seq_slots = self.blocks.slots(r.seq, 0, L + m)
+                kv_slots[i, : L + m] = seq_slots
+                g_slots[i, :m] = seq_slots[L:]
+                mask[i, 0, :m, :L] = True
+                if r.tree is None:
+                    g_ids[i, 0] = r.seq.output_token_ids[-1]
+                    g_pos[i, 0] = L
+                    mask[i, 0, 0, L] = True
+                else:
+                    g_ids[i, :m] = r.tree.tokens
+                    g_pos[i, :m] = L + r.tree.depths
+                    mask[i, 0, :m, L : L + m] = r.tree.mask
+                mask[i, 0, m:, 0] = True  # padding rows attend to something (their output is unused)
+                logit_rows.extend(range(n_rows + i * width, n_rows + i * width + m))
+            run = self._run_start(rows[0].seq, rows[0].length + width) if len(rows) == 1 else None
+            if run is not None and kv_len != rows[0].length + rows[0].num_nodes:
+                run = None
+            groups.append(AttentionGroup(n_rows, len(rows), width, kv_slots, mask, run))
+            ids.append(g_ids.reshape(-1))
+            pos.append(g_pos.reshape(-1))
+            slots.append(g_slots.reshape(-1))
+        batch = ForwardBatch(torch.cat(ids), torch.cat(pos), torch.cat(slots), groups)
+        return batch, logit_rows, last_rows
+
+    def _run_start(self, seq: Sequence, upto: int) -> int | None:
+        """First slot when positions ``[0, upto)`` of ``seq`` lie in consecutive blocks, else None."""
+        bs = self.blocks.block_size
+        table = seq.block_table[: -(-upto // bs)]
+        if all(b - a == 1 for a, b in zip(table, table[1:])):
+            return table[0] * bs
+        return None
+
+    @staticmethod
+    def _choose(logits: torch.Tensor, state: RequestState) -> list[int]:
+        if state.params.greedy:
+            return logits.argmax(-1).tolist()
+        return sample(adjusted_probs(logits, state.params), state.generator).tolist()
