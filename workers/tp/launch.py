@@ -9,11 +9,13 @@ Two ways, chosen by how this process was started:
 * under ``mpiexec -n tp_size`` (when spawning is unavailable, e.g. OpenMPI as root, see
   ``workers/tp/README.md``): ``COMM_WORLD`` is the group; rank 0 returns as the leader, every other
   rank serves the leader's commands in :func:`workers.tp.rank_main.serve` and then exits the
-  process, so the code after the executor's construction runs on rank 0 only.
+  process, so the code after the executor's construction runs on rank 0 only. Every process calls
+  ``MPI_Finalize`` at its exit (the leader through ``atexit``).
 """
 
 from __future__ import annotations
 
+import atexit
 import sys
 
 from workers.tp.comm import LEADER, Communicator, group_failed, make_communicator
@@ -40,7 +42,9 @@ def start_group(tp_size: int, backend: str) -> Communicator:
             from workers.tp.rank_main import serve
 
             serve(comm)
+            MPI.Finalize()
             sys.exit(0)
+        atexit.register(_finalize_world)
         return comm
     if tp_size == 1:
         return make_communicator(MPI.COMM_SELF.Dup(), backend)
@@ -52,3 +56,11 @@ def start_group(tp_size: int, backend: str) -> Communicator:
             "run the replica under `mpiexec -n tp_size` instead"
         ) from e
     return make_communicator(link.Merge(high=False), backend, link)
+
+
+def _finalize_world() -> None:
+    """At the leader's exit under ``mpiexec``: ``MPI_Finalize`` pairs with the ranks' (hydra
+    treats a process that exits without it as failed and kills the job), unless a rank died
+    (MPICH then crashes in it)."""
+    if not group_failed() and not MPI.Is_finalized():
+        MPI.Finalize()
