@@ -33,7 +33,7 @@ from workers.tp.mpi import MPI
 
 LEADER = 0
 LIVENESS_INTERVAL_S = 0.05
-SPIN_S = 1e-3  # poll with sched_yield this long, then sleep between polls
+SPIN_S = 2e-4  # busy-poll this long, then sleep between polls
 SHORT_SLEEP_S, SHORT_SLEEP_UNTIL_S, LONG_SLEEP_S = 5e-5, 0.05, 1e-3
 HEADER_BYTES = 1 << 14  # first broadcast: 8-byte length + the command if it fits
 
@@ -100,16 +100,15 @@ class Communicator:
         Raises:
             RankFailure: a process of the group died before the request completed.
         """
-        start = next_check = time.monotonic()
+        start = time.monotonic()
+        next_check = start + LIVENESS_INTERVAL_S
         while not request.Test():
             now = time.monotonic()
             if now >= next_check:
                 self.check_peers()
                 next_check = now + LIVENESS_INTERVAL_S
             waited = now - start
-            if waited < SPIN_S:
-                os.sched_yield()
-            else:
+            if waited >= SPIN_S:  # below SPIN_S: busy-poll (sched_yield would hand the core away)
                 time.sleep(SHORT_SLEEP_S if waited < SHORT_SLEEP_UNTIL_S else LONG_SLEEP_S)
 
     def broadcast(self, obj: object = None) -> object:
@@ -117,7 +116,6 @@ class Communicator:
         :data:`HEADER_BYTES` - 8 bytes, two otherwise). Non-leaders pass nothing."""
         if self.world_size == 1:
             return obj
-        self.check_peers()
         header = self._header
         if self.is_leader:
             payload = pickle.dumps(obj, protocol=5)

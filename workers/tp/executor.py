@@ -15,12 +15,14 @@ full copies of the embedding and LM head weights besides its shards (:attr:`TPEx
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 from workers.forward_batch import ForwardBatch
 from workers.models.config import LlamaConfig
+from workers.models.llama import LlamaForCausalLM
 from workers.models.loader import load_model
 from workers.tp.comm import RankFailure, process_alive
 from workers.tp.launch import start_group
@@ -42,6 +44,9 @@ class TPExecutor:
         num_threads: torch threads of each non-leader rank (default ``cpu_count // tp_size``, at
             least 1); the leader's threads are left as they are.
 
+        model: the leader's model, already loaded from ``model_path`` (e.g. by the engine); it is
+            sharded in place. Default: the leader loads its own.
+
     Under ``mpiexec -n tp_size``, the constructor does not return on ranks other than 0: they serve
     the leader and exit the process (see :mod:`workers.tp.launch`).
 
@@ -52,7 +57,7 @@ class TPExecutor:
     """
 
     def __init__(self, model_path: str, tp_size: int, num_slots: int, *, dtype: torch.dtype = torch.float32,
-                 device: str = "cpu", num_threads: int | None = None):
+                 device: str = "cpu", num_threads: int | None = None, model: LlamaForCausalLM | None = None):
         self.config: LlamaConfig = LlamaConfig.from_dir(model_path)
         check_tp_size(self.config, tp_size)
         self.tp_size = tp_size
@@ -66,7 +71,8 @@ class TPExecutor:
             init = {"model_path": str(model_path), "dtype": str(dtype).removeprefix("torch."),
                     "num_slots": num_slots, "num_threads": threads}
             self._broadcast("init", init)
-            model = load_model(model_path, dtype, str(self.device))
+            if model is None:
+                model = load_model(model_path, dtype, str(self.device))
             self.embed_weight = model.model.embed_tokens.weight
             self.lm_head_weight = model.lm_head.weight
             self.worker = self._guard(ShardWorker, model, num_slots, self.comm)
@@ -125,7 +131,8 @@ class TPExecutor:
     def _broadcast(self, op: str, args) -> None:
         if self._closed and op != "shutdown":
             raise RuntimeError("TPExecutor is closed")
-        self._guard(self.comm.broadcast, (op, pack(args)))
+        if self.tp_size > 1:
+            self._guard(self.comm.broadcast, (op, pack(args)))
 
     def _guard(self, fn, *args):
         """Run ``fn``; remember and re-raise a :class:`RankFailure` (every later call raises it too)."""
@@ -136,3 +143,14 @@ class TPExecutor:
         except RankFailure as e:
             self._failure = e
             raise
+
+
+def tp_executor_factory(model_path: str, tp_size: int, num_threads: int | None = None
+                        ) -> Callable[[LlamaForCausalLM, int], TPExecutor]:
+    """``executor_factory(model, num_slots)`` for :class:`workers.engine.Engine`: a
+    :class:`TPExecutor` whose leader shards the engine's loaded model (same dtype and device)."""
+    def make(model: LlamaForCausalLM, num_slots: int) -> TPExecutor:
+        w = model.lm_head.weight
+        return TPExecutor(model_path, tp_size, num_slots, dtype=w.dtype, device=w.device.type,
+                          num_threads=num_threads, model=model)
+    return make

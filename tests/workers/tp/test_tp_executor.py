@@ -16,16 +16,14 @@ from tiny_model import make_tiny_drafter_dir
 from workers.executor import LocalExecutor
 from workers.forward_batch import AttentionGroup, ForwardBatch, contiguous_batch
 from workers.models.loader import load_model
+from workers.redrafter.acceptance import accept_greedy
 from workers.redrafter.beam_search import draft_beams
 from workers.redrafter.drafter import load_drafter
 from workers.redrafter.tree import build_prefix_tree
-from workers.sampling import SamplingParams
-from workers.speculative_step import plain_step, speculative_step
 from workers.tp.executor import TPExecutor
 
 TP_SIZES = (2, 4, 8)
 NUM_SLOTS = 256
-GREEDY = SamplingParams(max_tokens=64)
 ATOL = 3e-5  # float32; all-reduce changes the summation order
 
 
@@ -131,18 +129,22 @@ def test_mixed_batches_match_unsharded(executors, tp):
 
 
 def _greedy(ex, prompt: list[int], max_new: int, beams_for=None) -> tuple[list[int], int]:
-    """Greedy decoding over the executor API: plain steps, or speculative steps verifying
-    ``beams_for(ex, out, hidden)``. Returns (tokens, accepted draft tokens)."""
+    """Greedy decoding of one sequence over the executor API (slots = positions): each step verifies
+    the tree of ``beams_for(ex, out, hidden)`` (``[num_beams, 1 + draft_len]``, column 0 the last
+    token), or the last token alone (plain decoding), keeps the longest accepted path plus the bonus
+    token and compacts its KV entries. Returns (tokens, accepted draft tokens)."""
     hidden = ex.forward(contiguous_batch(torch.tensor(prompt), 0))[-1]
     out = [int(ex.logits(hidden[None]).argmax())]
     L, accepted = len(prompt), 0
     while len(out) < max_new:
-        if beams_for is None:
-            tokens, hidden = plain_step(ex, L, out[-1], GREEDY, None)
-        else:
-            tokens, hidden = speculative_step(ex, L, beams_for(ex, out, hidden), GREEDY, None)
-            accepted += len(tokens) - 1
-        L += len(tokens)
+        beams = torch.tensor([[out[-1]]]) if beams_for is None else beams_for(ex, out, hidden)
+        tree = build_prefix_tree(beams)
+        h = ex.forward(contiguous_batch(tree.tokens, L, tree.mask, L + tree.depths))
+        path, bonus = accept_greedy(tree, ex.logits(h).argmax(-1).tolist())
+        if path != list(range(len(path))):
+            ex.copy_slots(torch.tensor(path) + L, torch.arange(L, L + len(path)))
+        tokens = tree.tokens[path[1:]].tolist() + [bonus]
+        hidden, accepted, L = h[path[-1]], accepted + len(tokens) - 1, L + len(tokens)
         out += tokens
     return out[:max_new], accepted
 
