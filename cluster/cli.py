@@ -14,6 +14,7 @@ import httpx
 import typer
 from rich.console import Console
 
+from cluster.calibrate_cli import calibrate
 from cluster.config import ConfigError, RdserveConfig, check_startable, load_config
 from cluster.evaluation.bench_cli import bench
 from cluster.evaluation.eval_cli import evaluate
@@ -29,6 +30,7 @@ app.add_typer(model_app, name="model")
 app.add_typer(drafter_app, name="drafter")
 app.command("bench")(bench)
 app.command("eval")(evaluate)
+app.command("calibrate")(calibrate)
 
 console = Console()
 err_console = Console(stderr=True)

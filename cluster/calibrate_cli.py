@@ -1,0 +1,139 @@
+"""``rdserve calibrate``: derive the speculation schedule from step costs measured on this machine.
+
+Measures, with the engine the config describes: seconds per generation iteration for each batch
+size, plain and for each draft-tree shape; greedy tokens per step of each shape on prompts (a JSONL
+file, or rdserve's built-in held-out prompts). :func:`workers.spec_schedule.derive_schedule` then
+picks, per batch size, the shape with the highest expected tokens/s or plain decoding, and the
+table is written into the config's ``engine.spec_schedule``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+import yaml
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+console = Console()
+err_console = Console(stderr=True)
+
+
+def _parse_shapes(text: str) -> list[tuple[int, int]]:
+    shapes = []
+    for part in text.split(","):
+        try:
+            beams, draft = (int(x) for x in part.lower().split("x"))
+        except ValueError:
+            raise typer.BadParameter(f"'{part}': expected NUM_BEAMSxDRAFT_LEN, e.g. 2x2") from None
+        if beams < 1 or draft < 1:
+            raise typer.BadParameter(f"'{part}': num_beams and draft_len_per_beam must be >= 1")
+        shapes.append((beams, draft))
+    return shapes
+
+
+def _parse_batches(text: str) -> list[int]:
+    try:
+        sizes = sorted({int(x) for x in text.split(",")})
+    except ValueError:
+        raise typer.BadParameter(f"'{text}': expected comma-separated integers, e.g. 1,2,4,8") from None
+    if sizes[0] < 1:
+        raise typer.BadParameter("batch sizes must be >= 1")
+    return sizes
+
+
+def _prompts(engine, path: Path | None, per_category: int) -> list[list[int]]:
+    if path is not None:
+        from cluster.evaluation.prompts import load_prompts
+
+        rows = load_prompts(path)
+        return [engine.encode_chat(r.messages) if r.messages is not None else engine.encode_prompt(r.prompt)
+                for r in rows]
+    from workers.training.prompt_sources import build_prompts, first_per_category
+
+    by_cat = first_per_category(build_prompts(None, "heldout"), per_category)
+    return [engine.encode_chat(p["messages"]) for rows in by_cat.values() for p in rows]
+
+
+def calibrate(
+    config: Path = typer.Option(..., "--config", "-c", help="YAML config; its engine (model, drafter, dtype, "
+                                "threads) is what gets measured."),
+    batch_sizes: str = typer.Option("1,2,4,8,16", help="Generation batch sizes to measure."),
+    shapes: str = typer.Option("1x2,2x2,2x3,4x4", help="Draft-tree shapes NUM_BEAMSxDRAFT_LEN to consider."),
+    prompts: Path | None = typer.Option(None, help="JSONL prompts ('prompt' or 'messages') for tokens per "
+                                        "step; default: rdserve's built-in held-out chat and code prompts."),
+    prompts_per_category: int = typer.Option(4, min=1, help="Built-in prompts per category."),
+    max_tokens: int = typer.Option(64, min=2, help="Tokens generated per prompt for tokens per step."),
+    context_len: int = typer.Option(256, min=1, help="Cached tokens per request while timing steps."),
+    repeats: int = typer.Option(6, min=1, help="Timed iterations per measurement (median)."),
+    out: Path = typer.Option(Path("calibration.json"), help="Where to write every measured figure."),
+    write: bool = typer.Option(True, "--write/--no-write", help="Write the derived table into the config's "
+                               "engine.spec_schedule (the YAML is rewritten; comments are not kept)."),
+) -> None:
+    """Measure step costs and acceptance here; derive and write the speculation schedule."""
+    from cluster.cli import _startable_config, _with_model_dir
+    from cluster.local_engine import build_engine
+    from workers.calibration import measure_step_s, measure_tokens_per_step
+    from workers.spec_schedule import derive_schedule
+
+    cfg = _startable_config(config)
+    if cfg.drafter.path is None:
+        err_console.print("calibrate needs drafter.path in the config (there is nothing to schedule without it)")
+        raise typer.Exit(2)
+    batches, shape_list = _parse_batches(batch_sizes), _parse_shapes(shapes)
+    cfg.engine = cfg.engine.model_copy(update={"max_batch_size": max(cfg.engine.max_batch_size, batches[-1])})
+    engine = build_engine(_with_model_dir(cfg))
+    all_ids = _prompts(engine, prompts, prompts_per_category)
+    prompt_ids = [ids for ids in all_ids if len(ids) + max_tokens <= engine.max_seq_len]
+    if len(prompt_ids) < len(all_ids):
+        console.print(f"skipping {len(all_ids) - len(prompt_ids)} of {len(all_ids)} prompts longer than "
+                      f"max_seq_len {engine.max_seq_len} - max_tokens {max_tokens}")
+    if not prompt_ids:
+        err_console.print("no prompt fits the context; pass shorter --prompts or a smaller --max-tokens")
+        raise typer.Exit(2)
+    plain_s, spec_s, tps = {}, {}, {}
+    with Progress(console=console) as progress:
+        task = progress.add_task("tokens per step", total=len(shape_list))
+        for shape in shape_list:
+            tps[shape] = measure_tokens_per_step(engine, prompt_ids, shape, max_tokens=max_tokens)
+            progress.advance(task)
+        task = progress.add_task("step costs", total=len(batches) * (1 + len(shape_list)))
+        for b in batches:
+            plain_s[b] = measure_step_s(engine, b, None, context_len=context_len, repeats=repeats)
+            progress.advance(task)
+            for shape in shape_list:
+                spec_s[b, shape] = measure_step_s(engine, b, shape, context_len=context_len, repeats=repeats)
+                progress.advance(task)
+    table = derive_schedule(plain_s, spec_s, tps)
+    _print(batches, shape_list, plain_s, spec_s, tps, table)
+    rows = "off" if table == "off" else [r.model_dump() for r in table]
+    out.write_text(json.dumps({
+        "batch_sizes": batches, "context_len": context_len, "repeats": repeats,
+        "tokens_per_step": {f"{s[0]}x{s[1]}": v for s, v in tps.items()},
+        "plain_step_s": plain_s,
+        "spec_step_s": {f"{b}:{s[0]}x{s[1]}": v for (b, s), v in spec_s.items()},
+        "spec_schedule": rows,
+    }, indent=1))
+    console.print(f"figures written to {out}")
+    if write:
+        data = yaml.safe_load(config.read_text()) or {}
+        data.setdefault("engine", {})["spec_schedule"] = rows
+        config.write_text(yaml.safe_dump(data, sort_keys=False))
+        console.print(f"engine.spec_schedule written to {config}")
+
+
+def _print(batches, shape_list, plain_s, spec_s, tps, table) -> None:
+    t = Table(title="expected tokens/s per request batch (batch x tokens/step / step time)")
+    t.add_column("batch")
+    t.add_column("plain")
+    for s in shape_list:
+        t.add_column(f"{s[0]}x{s[1]} ({tps[s]:.2f} t/step)")
+    for b in batches:
+        cells = [f"{b / plain_s[b]:.1f} ({plain_s[b] * 1e3:.0f} ms)"]
+        cells += [f"{b * tps[s] / spec_s[b, s]:.1f} ({spec_s[b, s] * 1e3:.0f} ms)" for s in shape_list]
+        t.add_row(str(b), *cells)
+    console.print(t)
+    console.print(f"derived spec_schedule: {table if table == 'off' else [r.model_dump() for r in table]}")

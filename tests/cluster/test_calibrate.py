@@ -1,0 +1,42 @@
+"""``rdserve calibrate`` on the tiny model: measures, derives, and writes a loadable schedule."""
+
+from __future__ import annotations
+
+import json
+
+from typer.testing import CliRunner
+
+from cluster.cli import app
+from cluster.config import load_config
+from workers.spec_schedule import derive_schedule
+
+
+def test_calibrate_writes_the_schedule_its_figures_imply(tiny_config_path, tmp_path):
+    config = tiny_config_path.parent / "calibrate.yaml"
+    config.write_text(tiny_config_path.read_text())
+    out = tmp_path / "cal.json"
+    result = CliRunner().invoke(app, [
+        "calibrate", "-c", str(config), "--batch-sizes", "1,3", "--shapes", "1x2,2x2", "--repeats", "2",
+        "--max-tokens", "8", "--prompts-per-category", "1", "--context-len", "16", "--out", str(out),
+    ])
+    assert result.exit_code == 0, result.output
+    figures = json.loads(out.read_text())
+    assert set(figures["plain_step_s"]) == {"1", "3"}
+    assert set(figures["spec_step_s"]) == {"1:1x2", "1:2x2", "3:1x2", "3:2x2"}
+    assert all(v > 0 for v in figures["plain_step_s"].values())
+    assert all(1.0 <= v <= 3.0 for v in figures["tokens_per_step"].values())
+    shape = {k: tuple(int(x) for x in k.split("x")) for k in figures["tokens_per_step"]}
+    table = derive_schedule(
+        {int(b): s for b, s in figures["plain_step_s"].items()},
+        {(int(k.split(":")[0]), shape[k.split(":")[1]]): s for k, s in figures["spec_step_s"].items()},
+        {shape[k]: v for k, v in figures["tokens_per_step"].items()},
+    )
+    written = load_config(config).engine.spec_schedule
+    assert written == table
+    assert figures["spec_schedule"] == ("off" if table == "off" else [r.model_dump() for r in table])
+
+
+def test_calibrate_rejects_a_bad_shape(tiny_config_path):
+    result = CliRunner().invoke(app, ["calibrate", "-c", str(tiny_config_path), "--shapes", "2by2"])
+    assert result.exit_code == 2
+    assert "expected NUM_BEAMSxDRAFT_LEN" in result.output

@@ -1,0 +1,147 @@
+"""In-flight batching on the tiny models: batch invariance, empty sub-batches, preemption, aborts.
+
+Every request's greedy output must equal what the engine produces for it alone, whatever requests
+share its iterations (random arrival orders, context chunks next to draft trees, plain next to
+speculative requests, recompute after preemption). After any mix of finished, aborted and preempted
+requests every KV block is free again.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+
+from workers.engine import Engine
+from workers.sampling import SamplingParams
+
+
+def make_engine(tiny_model_dirs, trained_drafter_dirs, variant="tied_gqa2", **options) -> Engine:
+    opts = dict(num_beams=3, draft_len_per_beam=3, max_seq_len=256, max_batch_size=6, max_num_tokens=64,
+                max_prefill_chunk=24, tokens_per_block=4, num_kv_blocks=400)
+    opts.update(options)
+    return Engine(str(tiny_model_dirs[variant]), str(trained_drafter_dirs[variant]), **opts)
+
+
+class PlanLog:
+    """Wraps the scheduler to count the kinds of iterations it planned."""
+
+    def __init__(self, engine: Engine):
+        self.kinds = Counter()
+        self.max_tokens_seen = 0
+        schedule = engine.scheduler.schedule
+
+        def logged(*args, **kwargs):
+            plan = schedule(*args, **kwargs)
+            if plan.context and not plan.generation:
+                self.kinds["context only"] += 1
+            if plan.generation and not plan.context:
+                self.kinds["generation only"] += 1
+            if plan.context and plan.generation:
+                self.kinds["mixed phases"] += 1
+            drafts = plan.draft_tokens
+            if any(d > 0 for d in drafts) and any(d == 0 for d in drafts):
+                self.kinds["spec and plain together"] += 1
+            if preempted := len(plan.preempted):
+                self.kinds["preemptions"] += preempted
+            self.max_tokens_seen = max(self.max_tokens_seen, plan.num_tokens)
+            return plan
+
+        engine.scheduler.schedule = logged
+
+
+def random_requests(rng: random.Random, n: int, vocab: int) -> list[dict]:
+    return [
+        {"id": f"r{i}", "prompt": [rng.randrange(3, vocab) for _ in range(rng.randint(1, 60))],
+         "max_tokens": rng.randint(1, 30), "mode": rng.choice(["spec", "plain"])}
+        for i in range(n)
+    ]
+
+
+def alone(engine: Engine, req: dict) -> list[int]:
+    deltas = list(engine.generate(req["prompt"], SamplingParams(max_tokens=req["max_tokens"]), req["mode"], req["id"]))
+    return [t for d in deltas for t in d.token_ids]
+
+
+def run_mixed(engine: Engine, reqs: list[dict], rng: random.Random, abort_rate: float = 0.0) -> tuple[dict, set]:
+    """Submit ``reqs`` in random order at random iterations; abort some mid-way. Returns the
+    outputs of the requests that finished and the ids aborted."""
+    pending = reqs[:]
+    rng.shuffle(pending)
+    outputs: dict[str, list[int]] = {}
+    finished: set[str] = set()
+    aborted: set[str] = set()
+    while pending or engine.num_unfinished:
+        for _ in range(rng.choice([0, 0, 1, 1, 2, 4])):
+            if pending:
+                req = pending.pop()
+                engine.add_request(req["id"], req["prompt"], SamplingParams(max_tokens=req["max_tokens"]), req["mode"])
+                outputs[req["id"]] = []
+        for d in engine.step():
+            outputs[d.request_id] += d.token_ids
+            if d.finished:
+                finished.add(d.request_id)
+        live = [rid for rid in outputs if rid not in finished and rid not in aborted]
+        if live and rng.random() < abort_rate:
+            rid = rng.choice(live)
+            assert engine.abort(rid)
+            aborted.add(rid)
+    return {rid: outputs[rid] for rid in finished}, aborted
+
+
+@pytest.mark.parametrize("variant", ["tied_gqa2", "untied_mqa"])
+def test_greedy_output_does_not_depend_on_the_batch(tiny_model_dirs, trained_drafter_dirs, variant):
+    engine = make_engine(tiny_model_dirs, trained_drafter_dirs, variant)
+    rng = random.Random(variant)
+    reqs = random_requests(rng, 24, len(engine.tokenizer))
+    want = {r["id"]: alone(engine, r) for r in reqs}
+    log = PlanLog(engine)
+    for order_seed in range(3):
+        got, _ = run_mixed(engine, reqs, random.Random(order_seed))
+        assert got == want, f"arrival order {order_seed}"
+    blocks = engine.blocks
+    assert blocks.num_free_blocks == blocks.num_blocks
+    for kind in ("context only", "generation only", "mixed phases", "spec and plain together"):
+        assert log.kinds[kind] > 0, f"no iteration of kind {kind!r}: {log.kinds}"
+    assert log.max_tokens_seen <= engine.options.max_num_tokens
+
+
+def test_preemption_and_aborts_keep_outputs_and_free_every_block(tiny_model_dirs, trained_drafter_dirs):
+    """Hundreds of requests through a KV cache of 48 blocks x 4 tokens: preemption (recompute) is
+    frequent, some requests are aborted; finished requests still match their solo output."""
+    engine = make_engine(tiny_model_dirs, trained_drafter_dirs, num_kv_blocks=48, max_batch_size=8)
+    rng = random.Random(5)
+    reqs = random_requests(rng, 240, len(engine.tokenizer))
+    for r in reqs:
+        r["prompt"] = r["prompt"][:40]
+    want = {r["id"]: alone(engine, r) for r in reqs}
+    log = PlanLog(engine)
+    got, aborted = run_mixed(engine, reqs, rng, abort_rate=0.05)
+    assert log.kinds["preemptions"] >= 10, log.kinds
+    assert len(aborted) >= 5
+    assert set(got) | aborted == set(want)
+    assert all(got[rid] == want[rid] for rid in got)
+    blocks = engine.blocks
+    assert blocks.num_free_blocks == blocks.num_blocks
+    assert all(blocks.owner(b) is None for b in range(blocks.num_blocks))
+
+
+def test_sampled_output_does_not_depend_on_the_batch(tiny_model_dirs, trained_drafter_dirs):
+    """Seeded sampling draws from a per-request generator, so batching does not change it either."""
+    engine = make_engine(tiny_model_dirs, trained_drafter_dirs, "tied_sharp")
+    rng = random.Random(11)
+    reqs = random_requests(rng, 12, len(engine.tokenizer))
+
+    def params(r):
+        return SamplingParams(temperature=0.8, top_p=0.95, seed=int(r["id"][1:]), max_tokens=r["max_tokens"])
+
+    want = {r["id"]: [t for d in engine.generate(r["prompt"], params(r), r["mode"], r["id"]) for t in d.token_ids]
+            for r in reqs}
+    for r in reqs:
+        engine.add_request(r["id"], r["prompt"], params(r), r["mode"])
+    got = {r["id"]: [] for r in reqs}
+    while engine.num_unfinished:
+        for d in engine.step():
+            got[d.request_id] += d.token_ids
+    assert got == want
