@@ -19,16 +19,22 @@ import torch
 from workers.models.loader import load_model
 from workers.tp.comm import Communicator, RankFailure, make_communicator
 from workers.tp.mpi import MPI
-from workers.tp.wire import unpack
+from workers.tp.wire import OPS, unpack
 from workers.tp.worker import ShardWorker
 
 
 def serve(comm: Communicator) -> None:
-    """Run commands until ``shutdown``, then disconnect. Raises what a command raises."""
+    """Run commands until ``shutdown``, then disconnect.
+
+    Raises:
+        ValueError: an unknown command; otherwise what a command raises.
+    """
     device = getattr(comm, "device", torch.device("cpu"))
     worker = None
     while True:
         op, args = unpack(comm.broadcast(), device)
+        if op not in OPS:
+            raise ValueError(f"unknown TP command {op!r}")
         if op == "init":
             if args["num_threads"]:
                 torch.set_num_threads(args["num_threads"])
