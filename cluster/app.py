@@ -11,11 +11,6 @@ from cluster.replica import EngineReplica
 
 APP_NAME = "rdserve"
 
-# Requests admitted to one engine replica at once. Admitted requests wait on the replica's engine
-# lock and count as its load (``cluster.router``); beyond this they wait in Serve's queue.
-ENGINE_MAX_ONGOING_REQUESTS = 64
-
-
 def engine_actor_options(cfg: RdserveConfig) -> dict:
     """Ray resources of one engine replica: one CPU, plus one GPU (chosen by Ray) for a CUDA device."""
     return {"num_cpus": 1, "num_gpus": 1 if cfg.engine.device.startswith("cuda") else 0}
@@ -26,7 +21,7 @@ def build_app(cfg: RdserveConfig) -> Application:
     engine = EngineReplica.options(
         num_replicas=cfg.serve.replicas,
         ray_actor_options=engine_actor_options(cfg),
-        max_ongoing_requests=ENGINE_MAX_ONGOING_REQUESTS,
+        max_ongoing_requests=cfg.serve.max_ongoing_requests,
         max_queued_requests=cfg.serve.max_queued_requests or -1,
     ).bind(cfg)
     return OpenAIIngress.bind(engine, cfg.model.name)

@@ -89,8 +89,12 @@ class ServeConfig(_Section):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
     replicas: int = Field(1, ge=1, description="engine replicas, one Engine each")
+    max_ongoing_requests: int = Field(
+        64, ge=1, description="requests admitted to one replica at once (decoding together, or queued in its "
+        "engine; they count as its load); beyond this they wait in Serve's queue",
+    )
     max_queued_requests: int | None = Field(
-        None, ge=1, description="requests waiting for a replica before HTTP 503; null = unbounded"
+        None, ge=1, description="requests waiting in Serve's queue before HTTP 503; null = unbounded"
     )
 
 
@@ -145,7 +149,7 @@ def load_config(path: str | Path) -> RdserveConfig:
 
 
 def check_startable(cfg: RdserveConfig, cuda_available: bool | None = None) -> None:
-    """What this build can start: torch backend, tp_size 1, an available device, existing paths.
+    """What this build can start: torch backend, an available device, existing paths.
 
     ``cuda_available`` defaults to ``torch.cuda.is_available()``.
 
@@ -160,8 +164,6 @@ def check_startable(cfg: RdserveConfig, cuda_available: bool | None = None) -> N
             f"engine.backend: 'tensorrt_llm' needs a CUDA GPU and the tensorrt_llm package, which {why}; "
             "use backend 'torch'"
         )
-    if eng.tp_size > 1:
-        raise ConfigError(f"engine.tp_size: only 1 is supported by the torch backend now (got {eng.tp_size})")
     if eng.device.startswith("cuda"):
         if cuda_available is None:
             import torch

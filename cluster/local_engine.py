@@ -13,6 +13,8 @@ def build_engine(cfg: RdserveConfig):
     A null ``engine.num_threads`` shares the machine's cores among the replicas (Ray would
     otherwise give each actor ``OMP_NUM_THREADS=1``).
 
+    ``engine.tp_size > 1`` runs the base model on that many MPI ranks (``workers.tp``).
+
     Returns a ``workers.engine.Engine``.
     """
     from workers.engine import Engine, EngineOptions
@@ -29,4 +31,10 @@ def build_engine(cfg: RdserveConfig):
         kv_cache_fraction=eng.kv_cache_fraction,
         num_threads=eng.num_threads or max(1, (os.cpu_count() or 1) // cfg.serve.replicas),
     )
-    return Engine(str(model_dir), str(drafter_dir) if drafter_dir else None, options)
+    factory = None
+    if eng.tp_size > 1:
+        from workers.tp.executor import tp_executor_factory
+
+        factory = tp_executor_factory(str(model_dir), eng.tp_size, options.num_threads)
+    return Engine(str(model_dir), str(drafter_dir) if drafter_dir else None, options, executor_factory=factory,
+                  tp_size=eng.tp_size)

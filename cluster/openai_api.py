@@ -18,6 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel
 from ray import serve
+from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from cluster.protocol import (
@@ -104,6 +105,9 @@ class OpenAIIngress:
         stream: DeploymentResponseGenerator = self.engine.options(stream=True).generate.remote(req)
         try:
             started = await stream.__anext__()
+        except BackPressureError as err:  # serve.max_queued_requests reached: retry later
+            log.warning("request rejected: %s", err)
+            return _failed_response(Failed(503, "server overloaded: too many queued requests, retry later"))
         except Exception as err:
             log.exception("engine replica unavailable")
             return _failed_response(Failed(500, f"engine unavailable: {type(err).__name__}: {err}"))

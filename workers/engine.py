@@ -74,6 +74,7 @@ class EngineOptions:
     tokens_per_block: paged KV-cache block size; num_kv_blocks or kv_cache_fraction (of memory
         available after loading the weights) sizes the cache; it is capped at what
         ``max_batch_size`` full-length sequences need.
+    tp_size: tensor-parallel ranks of the executor (sizes each rank's share of the KV cache).
     """
 
     device: str = "cpu"
@@ -89,6 +90,7 @@ class EngineOptions:
     num_kv_blocks: int | None = None
     kv_cache_fraction: float = 0.2
     num_threads: int | None = None
+    tp_size: int = 1
 
 
 class Engine:
@@ -144,7 +146,7 @@ class Engine:
 
     def _size_cache(self, cfg, dtype) -> KVCacheSize:
         opts = self.options
-        per_token = kv_bytes_per_token(cfg, dtype)
+        per_token = kv_bytes_per_token(cfg, dtype, opts.tp_size)
         rows = [] if self.spec_schedule == "off" else self.spec_schedule
         max_tree = max((r.num_beams * r.draft_len_per_beam for r in rows), default=0)
         need_tokens = opts.max_batch_size * (self.max_seq_len + max_tree + opts.tokens_per_block)

@@ -56,7 +56,7 @@ def base_url(tiny_config):
     from cluster.app import deploy
 
     port = _free_port()
-    ray.init(num_cpus=2, include_dashboard=False, logging_level=logging.WARNING)
+    ray.init(num_cpus=4, include_dashboard=False, logging_level=logging.WARNING)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         deploy(tiny_config)

@@ -18,7 +18,8 @@ REQUIRED_KEYS = {"text", "token_ids", "num_steps", "accepted_draft_tokens", "tok
     [
         ("engine:\n  num_beams: 17\n", "engine.num_beams"),
         ("engine:\n  backend: tensorrt_llm\n", "engine.backend"),
-        ("engine:\n  tp_size: 2\n", "engine.tp_size"),
+        ("engine:\n  spec_schedule: [{max_batch_size: 4, num_beams: 2, draft_len_per_beam: 2},\n"
+         "    {max_batch_size: 2, num_beams: 1, draft_len_per_beam: 1}]\n", "engine.spec_schedule"),
         ("drafter:\n  path: no/such/dir\n", "drafter.path"),
     ],
 )

@@ -72,7 +72,6 @@ def test_unreadable_and_non_mapping_files(tmp_path):
     "data, field",
     [
         ({"engine": {"backend": "tensorrt_llm"}}, "engine.backend: 'tensorrt_llm' needs a CUDA GPU"),
-        ({"engine": {"tp_size": 2}}, "engine.tp_size: only 1"),
         ({"engine": {"device": "cuda:1"}}, "engine.device"),
         ({"model": {"path": "nowhere"}}, "model.path: directory not found"),
         ({"drafter": {"path": "nowhere"}}, "drafter.path: directory not found"),
