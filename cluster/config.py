@@ -176,3 +176,11 @@ def check_startable(cfg: RdserveConfig, cuda_available: bool | None = None) -> N
             raise ConfigError(f"{field}: directory not found: {path}")
         if path is not None and not (path / "config.json").is_file():
             raise ConfigError(f"{field}: {path} has no config.json (not a model/drafter directory)")
+    if eng.tp_size > 1 and cfg.model.path is not None:
+        from workers.models.config import LlamaConfig
+        from workers.tp.layers import check_tp_size
+
+        try:
+            check_tp_size(LlamaConfig.from_dir(cfg.model.path), eng.tp_size)
+        except ValueError as err:
+            raise ConfigError(f"engine.tp_size: {err} (model {cfg.model.path})") from None

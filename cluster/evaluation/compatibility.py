@@ -1,7 +1,7 @@
 """Step 2, compatibility: what this deployment runs on, and whether the combination is supported.
 
-Unsupported combinations (``engine.tp_size`` > 1, the ``tensorrt_llm`` backend without a GPU build,
-a CUDA device that is not there) raise ``cluster.config.ConfigError`` naming the field, through
+Unsupported combinations (a ``tp_size`` the model's heads cannot be split by, the ``tensorrt_llm``
+backend without a GPU build, a CUDA device that is not there) raise ``cluster.config.ConfigError`` naming the field, through
 ``cluster.config.check_startable``: the same check ``rdserve up`` makes.
 """
 
@@ -16,13 +16,21 @@ from cluster.config import RdserveConfig, check_startable
 
 PACKAGES = ("torch", "transformers", "ray", "rdserve")
 
-# What the torch engine does today (workers/engine.py runs one request at a time); these arrive with
-# the scheduler (in-flight batching over a paged KV cache).
-ENGINE_FEATURES = {
-    "in_flight_batching": "no: one request per engine step; replicas serve requests one after another",
-    "paged_kv_cache": "no: one contiguous KV cache per request",
-    "empty_sub_batch": "n/a: without in-flight batching there are no context/generation sub-batches",
-}
+
+
+def engine_features(cfg: RdserveConfig) -> dict[str, str]:
+    """What the torch engine does with this config (``workers/engine.py``)."""
+    eng = cfg.engine
+    kv = f"{eng.num_kv_blocks} blocks" if eng.num_kv_blocks else f"{eng.kv_cache_fraction:.0%} of free memory"
+    return {
+        "in_flight_batching": f"yes: up to {eng.max_batch_size} requests, {eng.max_num_tokens} tokens per "
+                              f"iteration, prefill chunks of {eng.max_prefill_chunk or eng.max_num_tokens}",
+        "paged_kv_cache": f"yes: blocks of {eng.tokens_per_block} tokens, {kv}",
+        "empty_sub_batch": "yes: iterations with only context or only generation requests",
+        "speculation_schedule": "fixed shape at every batch size" if eng.spec_schedule is None
+        else str(eng.spec_schedule if eng.spec_schedule == "off" else [r.model_dump() for r in eng.spec_schedule]),
+        "tensor_parallel": f"tp_size {eng.tp_size} over MPI" if eng.tp_size > 1 else "tp_size 1",
+    }
 
 
 def package_versions() -> dict[str, str | None]:
@@ -65,7 +73,7 @@ def check_compatibility(cfg: RdserveConfig, base_url: str | None = None,
                       "num_beams": eng.num_beams, "draft_len_per_beam": eng.draft_len_per_beam},
         "router": {"spec_max_load": cfg.router.spec_max_load, "default_mode": cfg.router.default_mode},
         "replicas": cfg.serve.replicas,
-        "features": dict(ENGINE_FEATURES),
+        "features": engine_features(cfg),
         "versions": package_versions(),
         "server": server_health(base_url),
     }

@@ -63,8 +63,8 @@ def test_eval_all_steps_on_the_tiny_cluster(base_url, tiny_config_path, tmp_path
 
 
 def test_eval_single_step_accumulates_and_unsupported_config_fails(base_url, tiny_config_path, tmp_path):
-    bad = tmp_path / "bad.yaml"
-    bad.write_text(tiny_config_path.read_text().replace("num_threads: 1", "num_threads: 1, tp_size: 2"))
+    bad = tiny_config_path.parent / "bad_tp.yaml"
+    bad.write_text(tiny_config_path.read_text().replace("num_threads: 1", "num_threads: 1, tp_size: 3"))
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps(PROMPTS[0]) + "\n")
     result = CliRunner().invoke(app, ["eval", "--config", str(bad), "--prompts", str(prompts), "--url", base_url,
