@@ -43,12 +43,15 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--num-beams", type=int)
     ap.add_argument("--draft-len-per-beam", type=int)
+    ap.add_argument("--dtype", help="override engine.dtype")
     ap.add_argument("--out", default="benchmarks/results/spec_vs_plain")
     args = ap.parse_args()
 
     cfg = load_config(args.config)
-    overrides = {"num_beams": args.num_beams, "draft_len_per_beam": args.draft_len_per_beam}
-    cfg.engine = cfg.engine.model_copy(update={k: v for k, v in overrides.items() if v})
+    overrides = {"num_beams": args.num_beams, "draft_len_per_beam": args.draft_len_per_beam, "dtype": args.dtype}
+    update = {k: v for k, v in overrides.items() if v}
+    update["spec_schedule"] = None  # measure the num_beams x draft_len_per_beam shape, not the schedule
+    cfg.engine = cfg.engine.model_copy(update=update)
     e = cfg.engine
     engine = build_engine(cfg)
     by_cat = first_per_category(build_prompts(Path(args.datasets_dir), "heldout"), args.prompts_per_category)
@@ -69,7 +72,8 @@ def main() -> None:
                 "latency_s": statistics.median(times), "completion_tokens": last.completion_tokens,
                 "num_steps": last.num_steps, "accepted_draft_tokens": last.accepted_draft_tokens,
             }
-        assert row["plain"]["completion_tokens"] == row["spec"]["completion_tokens"]
+        if e.dtype == "float32":  # lossless; in bfloat16 the two paths round differently and may diverge
+            assert row["plain"]["completion_tokens"] == row["spec"]["completion_tokens"]
         rows.append(row)
         print(p["category"], row["plain"]["latency_s"], row["spec"]["latency_s"], flush=True)
 

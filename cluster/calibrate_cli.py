@@ -3,8 +3,9 @@
 Measures, with the engine the config describes: seconds per generation iteration for each batch
 size, plain and for each draft-tree shape; greedy tokens per step of each shape on prompts (a JSONL
 file, or rdserve's built-in held-out prompts). :func:`workers.spec_schedule.derive_schedule` then
-picks, per batch size, the shape with the highest expected tokens/s or plain decoding, and the
-table is written into the config's ``engine.spec_schedule``.
+picks, per batch size, the shape with the highest expected tokens/s or plain decoding; the table is
+written into the config's ``engine.spec_schedule`` and the largest batch size that still speculates
+into ``router.spec_max_load`` (requests arriving above it are decoded plain).
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import json
 from pathlib import Path
 
 import typer
-import yaml
 from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
@@ -71,7 +71,7 @@ def calibrate(
     repeats: int = typer.Option(6, min=1, help="Timed iterations per measurement (median)."),
     out: Path = typer.Option(Path("calibration.json"), help="Where to write every measured figure."),
     write: bool = typer.Option(True, "--write/--no-write", help="Write the derived table into the config's "
-                               "engine.spec_schedule (the YAML is rewritten; comments are not kept)."),
+                               "engine.spec_schedule (comments and the other keys are kept)."),
 ) -> None:
     """Measure step costs and acceptance here; derive and write the speculation schedule."""
     from cluster.cli import _startable_config, _with_model_dir
@@ -119,10 +119,45 @@ def calibrate(
     }, indent=1))
     console.print(f"figures written to {out}")
     if write:
-        data = yaml.safe_load(config.read_text()) or {}
-        data.setdefault("engine", {})["spec_schedule"] = rows
-        config.write_text(yaml.safe_dump(data, sort_keys=False))
-        console.print(f"engine.spec_schedule written to {config}")
+        _write_schedule(config, rows, f"derived by `rdserve calibrate` ({out.name}): batch sizes {batch_sizes}, "
+                                      f"shapes {shapes}")
+        console.print(f"engine.spec_schedule and router.spec_max_load written to {config}")
+
+
+def spec_max_load(rows) -> int:
+    """The router's threshold matching a schedule: the largest batch size that still speculates."""
+    return 0 if rows == "off" else max((r["max_batch_size"] for r in rows if r["num_beams"]), default=0)
+
+
+def _write_schedule(config: Path, rows, note: str) -> None:
+    """Set ``engine.spec_schedule`` and ``router.spec_max_load`` in the YAML file, keeping its
+    comments and other keys (round trip)."""
+    from ruamel.yaml import YAML
+    from ruamel.yaml.comments import CommentedMap, CommentedSeq
+    from ruamel.yaml.scalarstring import DoubleQuotedScalarString
+
+    rt = YAML()
+    rt.representer.add_representer(type(None), lambda r, _: r.represent_scalar("tag:yaml.org,2002:null", "null"))
+    data = rt.load(config.read_text()) or CommentedMap()
+    engine = data.setdefault("engine", CommentedMap())
+    if rows == "off":
+        value = DoubleQuotedScalarString("off")  # unquoted, YAML 1.1 readers see the boolean false
+    else:
+        value = CommentedSeq()
+        for row in rows:
+            m = CommentedMap(row)
+            m.fa.set_flow_style()
+            value.append(m)
+    engine["spec_schedule"] = value
+    engine.ca.items.pop("spec_schedule", None)  # replace the note of an earlier calibration
+    engine.yaml_add_eol_comment(note, "spec_schedule")
+    router = data.setdefault("router", CommentedMap())
+    router["spec_max_load"] = spec_max_load(rows)
+    router.ca.items.pop("spec_max_load", None)
+    router.yaml_add_eol_comment("auto: speculate while the replica holds at most this many requests "
+                                "(the schedule's largest speculating batch size)", "spec_max_load")
+    with config.open("w") as f:
+        rt.dump(data, f)
 
 
 def _print(batches, shape_list, plain_s, spec_s, tps, table) -> None:

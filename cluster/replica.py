@@ -74,6 +74,16 @@ class EngineReplica:
         log.info("%s", self.engine.kv_size)
         log.info("engine ready: model %s, drafter %s", cfg.model.path or "default", cfg.drafter.path)
 
+    def check_health(self) -> None:
+        """Ray Serve's health probe: a replica whose tensor-parallel rank died is replaced.
+
+        Raises:
+            RuntimeError: the executor lost a rank (every iteration would fail).
+        """
+        failure = self.engine.executor.failure
+        if failure is not None:
+            raise RuntimeError(f"engine executor failed: {failure}")
+
     def stats(self) -> dict:
         """``{"load": running + queued requests, "speculative_available": bool}``."""
         return {"load": self.load, "speculative_available": self.engine.speculative_available}

@@ -51,5 +51,10 @@ class LocalExecutor:
         """Input embeddings ``[..., hidden_size]`` of token ids ``[...]`` (the drafter's ``e``)."""
         return self.model.model.embed_tokens(ids)
 
+    @property
+    def failure(self) -> None:
+        """A single process has no ranks that can fail (see ``TPExecutor.failure``)."""
+        return None
+
     def close(self) -> None:
         """Nothing to release for a single process."""

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal, Union
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
 Shape = tuple[int, int]
 
@@ -77,7 +77,13 @@ def validate_schedule(table: str | list) -> "SpecSchedule":
     return rows
 
 
-SpecSchedule = Annotated[Union[Literal["off"], list[SpecScheduleRow]], AfterValidator(validate_schedule)]
+def _yaml_off(value):
+    """YAML 1.1 (PyYAML) reads an unquoted ``off`` as ``False``; take it as ``"off"``."""
+    return "off" if value is False else value
+
+
+SpecSchedule = Annotated[Union[Literal["off"], list[SpecScheduleRow]], BeforeValidator(_yaml_off),
+                         AfterValidator(validate_schedule)]
 """Config field type: pydantic parses the rows and :func:`validate_schedule` checks their order."""
 
 

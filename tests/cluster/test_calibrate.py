@@ -31,8 +31,20 @@ def test_calibrate_writes_the_schedule_its_figures_imply(tiny_config_path, tmp_p
         {(int(k.split(":")[0]), shape[k.split(":")[1]]): s for k, s in figures["spec_step_s"].items()},
         {shape[k]: v for k, v in figures["tokens_per_step"].items()},
     )
-    written = load_config(config).engine.spec_schedule
-    assert written == table
+    written = load_config(config)
+    assert written.engine.spec_schedule == table
+    rows = [] if table == "off" else [r for r in table if r.num_beams]
+    assert written.router.spec_max_load == max((r.max_batch_size for r in rows), default=0)
+    assert "derived by `rdserve calibrate`" in config.read_text()
+    again = CliRunner().invoke(app, [  # calibrating a calibrated config replaces the table and its note
+        "calibrate", "-c", str(config), "--batch-sizes", "1", "--shapes", "1x2", "--repeats", "1",
+        "--max-tokens", "4", "--prompts-per-category", "1", "--context-len", "8", "--out", str(out),
+    ])
+    assert again.exit_code == 0, again.output
+    assert load_config(config).engine.spec_schedule == derive_schedule(
+        {1: json.loads(out.read_text())["plain_step_s"]["1"]}, {(1, (1, 2)): json.loads(out.read_text())["spec_step_s"]["1:1x2"]},
+        {(1, 2): json.loads(out.read_text())["tokens_per_step"]["1x2"]})
+    assert config.read_text().count("derived by `rdserve calibrate`") == 1
     assert figures["spec_schedule"] == ("off" if table == "off" else [r.model_dump() for r in table])
 
 

@@ -26,6 +26,13 @@ def test_local_yaml_is_valid_from_any_cwd(monkeypatch, tmp_path):
     assert (cfg.serve.port, cfg.serve.replicas) == (8000, 1)
 
 
+@pytest.mark.parametrize("preset", sorted(p.name for p in (REPO / "configs").glob("*.yaml")))
+def test_every_preset_is_startable(preset):
+    cfg = load_config(REPO / "configs" / preset)
+    check_startable(cfg, cuda_available=False)
+    assert cfg.drafter.path is None or (cfg.drafter.path / "config.json").is_file()
+
+
 def test_relative_paths_resolve_against_the_config_directory(tmp_path):
     cfg = load_config(write(tmp_path, "model: {path: m}\ndrafter: {path: ../d}\n"))
     assert cfg.model.path == tmp_path / "m"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import yaml
 from pydantic import BaseModel
 
 from workers.spec_schedule import SpecSchedule, choose_shape, derive_schedule, validate_schedule
@@ -88,3 +89,11 @@ def test_derive_rejects_inconsistent_measurements():
         derive_schedule({1: 1.0}, {(1, (1, 1)): 1.0}, {})
     with pytest.raises(ValueError, match="must be > 0"):
         derive_schedule({1: 0.0}, {}, {})
+
+
+def test_unquoted_yaml_off_means_off():
+    """PyYAML reads ``spec_schedule: off`` as False; the config field takes it as "off"."""
+    class Engine(BaseModel):
+        spec_schedule: SpecSchedule
+
+    assert Engine(**yaml.safe_load("spec_schedule: off")).spec_schedule == "off"

@@ -82,8 +82,8 @@ def load_model(
         cfg.head_size, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
     )
     model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
-    if torch.device(device).type == "cpu":
-        use_input_major_weights(model)
+    if torch.device(device).type == "cpu" and dtype == torch.float32:
+        use_input_major_weights(model)  # bfloat16 runs on oneDNN/AMX, which prefers the row-major layout
     return model
 
 

@@ -109,6 +109,11 @@ class TPExecutor:
         """Input embeddings ``[..., hidden_size]`` of ids ``[...]`` from the leader's full copy."""
         return F.embedding(ids, self.embed_weight)
 
+    @property
+    def failure(self) -> RankFailure | None:
+        """The rank failure that made this executor unusable, or None while it is healthy."""
+        return self._failure
+
     def close(self) -> None:
         """Shut the ranks down (after a rank failure: kill the survivors). Idempotent."""
         if self._closed:
