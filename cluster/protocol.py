@@ -1,7 +1,7 @@
 """OpenAI-compatible request and response schemas (chat completions, completions, models).
 
 Extensions beyond the OpenAI API:
-- ``top_k`` (int, 0 = off) on both request kinds;
+- ``top_k`` (int, 0 = off) and ``ignore_eos`` (bool, as in vLLM; for benchmarks) on both request kinds;
 - ``rdserve: {"mode": "auto" | "spec" | "plain"}`` on requests forces the decoding mode
   (default: the router's ``default_mode``); with the ``openai`` client pass it via ``extra_body``;
 - ``rdserve: {"mode", "reason", "num_steps", "accepted_draft_tokens", "tokens_per_step"}`` on
@@ -9,12 +9,17 @@ Extensions beyond the OpenAI API:
 
 ``max_tokens`` absent means 16 for completions (OpenAI's default) and, for chat completions, the
 remaining context capped at ``DEFAULT_MAX_TOKENS`` (1024).
-Unknown request fields are ignored, as OpenAI-compatible servers commonly do.
+Types are strict (``"max_tokens": "5"`` is a 400, not 5). OpenAI fields rdserve does not implement
+(``UNSUPPORTED``: logprobs, tools, response_format other than text, penalties, ...) are accepted
+only with their "off" value and otherwise rejected with a 400 naming the field, never silently
+ignored; other unknown fields (``user``, ``metadata``, ...) are ignored, as OpenAI-compatible
+servers commonly do.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+import json
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -65,17 +70,27 @@ def resolve_max_tokens(requested: int | None, prompt_tokens: int, max_seq_len: i
     return requested
 
 
+# OpenAI request fields rdserve does not implement, with the values that mean "not used".
+UNSUPPORTED: dict[str, tuple] = {
+    "logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
+    "suffix": (None, ""), "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
+    "logit_bias": (None, {}), "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
+    "function_call": (None, "none"), "response_format": (None, {"type": "text"}),
+}
+
+
 class RdserveOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     mode: Literal["auto", "spec", "plain"] | None = None
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True)
     include_usage: bool = False
 
 
 class _GenerationRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
@@ -87,7 +102,30 @@ class _GenerationRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = 1
+    ignore_eos: bool = False
     rdserve: RdserveOptions | None = None
+    logprobs: Any = None
+    top_logprobs: Any = None
+    echo: Any = None
+    best_of: Any = None
+    suffix: Any = None
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    logit_bias: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    response_format: Any = None
+
+    @field_validator(*UNSUPPORTED)
+    @classmethod
+    def _not_implemented(cls, value, info):
+        allowed = UNSUPPORTED[info.field_name]
+        if value not in allowed:
+            shown = " or ".join(json.dumps(a) for a in allowed)
+            raise ValueError(f"not supported by this server (accepted only as {shown})")
+        return value
 
     @field_validator("n")
     @classmethod
@@ -108,15 +146,17 @@ class _GenerationRequest(BaseModel):
         """Everything but ``max_tokens``, which needs the prompt length (``resolve_max_tokens``)."""
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         return SamplingParams(temperature=self.temperature, top_p=self.top_p,
-                              top_k=self.top_k, seed=self.seed, stop=stop)
+                              top_k=self.top_k, seed=self.seed, stop=stop, ignore_eos=self.ignore_eos)
 
 
 class TextPart(BaseModel):
+    model_config = ConfigDict(strict=True)
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True)
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart]
 

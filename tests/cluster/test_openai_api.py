@@ -130,6 +130,14 @@ LONG = "x" * 2000  # beyond the tiny model's context (max_seq_len 256; 1024 posi
         ("/v1/completions", {"prompt": "a", "top_p": 1.5}, "top_p"),
         ("/v1/completions", {"prompt": "a", "n": 2}, "n"),
         ("/v1/completions", {"prompt": "a", "rdserve": {"mode": "fast"}}, "rdserve.mode"),
+        ("/v1/completions", {"prompt": "a", "max_tokens": "5"}, "max_tokens"),
+        ("/v1/completions", {"prompt": "a", "logprobs": 3}, "logprobs"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "logprobs": True}, "logprobs"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}],
+                                  "response_format": {"type": "json_object"}}, "response_format"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "tools": [{"type": "function"}]},
+         "tools"),
+        ("/v1/completions", {"prompt": "a", "presence_penalty": 0.5}, "presence_penalty"),
     ],
 )
 def test_bad_requests_are_400_naming_the_field(http, path, body, param):

@@ -58,9 +58,21 @@ def test_text_parts_are_joined_for_the_chat_template():
         ({"prompt": "a", "top_p": 0}, "top_p"),
         ({"prompt": "a", "max_tokens": 0}, "max_tokens"),
         ({"prompt": "a", "rdserve": {"mode": "fast"}}, "rdserve"),
+        ({"prompt": "a", "max_tokens": "5"}, "max_tokens"),
+        ({"prompt": "a", "echo": True}, "echo"),
+        ({"prompt": "a", "logit_bias": {"42": 5}}, "logit_bias"),
     ],
 )
 def test_invalid_requests_name_the_field(kwargs, field):
     with pytest.raises(ValidationError) as err:
         CompletionRequest(**kwargs)
     assert err.value.errors()[0]["loc"][0] == field
+
+
+def test_unsupported_fields_are_accepted_with_their_off_values():
+    req = CompletionRequest(prompt="a", logprobs=None, echo=False, presence_penalty=0, frequency_penalty=0.0,
+                            logit_bias={}, best_of=1, user="someone")
+    assert req.sampling_params().temperature == 1.0
+    chat = ChatCompletionRequest(messages=[{"role": "user", "content": "a"}], logprobs=False,
+                                 response_format={"type": "text"}, tool_choice="none", tools=[])
+    assert chat.requested_max_tokens is None
