@@ -119,6 +119,12 @@ def _print_ready(cfg: RdserveConfig, base_url: str) -> None:
                        "max_tokens": 64})
     console.print(f"[green]rdserve is up[/green]: {base_url}/v1  (model {cfg.model.name}, "
                   f"{cfg.serve.replicas} replica(s), drafter {cfg.drafter.path or 'none'})")
+    try:
+        kv = httpx.get(f"{base_url}/health", timeout=5.0).json()["kv_cache"]
+        console.print(f"paged KV cache per replica: {kv['blocks']} blocks x {kv['tokens_per_block']} tokens = "
+                      f"{kv['tokens']} tokens, {kv['mib']} MiB")
+    except (httpx.HTTPError, KeyError, ValueError):
+        pass
     print(f"try:\n  curl {base_url}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'")
     print("Ctrl-C to stop.", flush=True)
 

@@ -85,8 +85,12 @@ class EngineReplica:
             raise RuntimeError(f"engine executor failed: {failure}")
 
     def stats(self) -> dict:
-        """``{"load": running + queued requests, "speculative_available": bool}``."""
-        return {"load": self.load, "speculative_available": self.engine.speculative_available}
+        """``load`` (requests held: decoding or queued), ``speculative_available``, and the paged KV
+        cache's size and free blocks."""
+        kv, blocks = self.engine.kv_size, self.engine.blocks
+        return {"load": self.load, "speculative_available": self.engine.speculative_available,
+                "kv_cache": {"blocks": kv.num_blocks, "tokens_per_block": kv.block_size, "tokens": kv.num_tokens,
+                             "mib": round(kv.mib, 1), "free_blocks": blocks.num_free_blocks}}
 
     async def generate(self, req: EngineRequest) -> AsyncIterator[Started | Failed | GenerationDelta]:
         self.load += 1

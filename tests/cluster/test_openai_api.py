@@ -33,6 +33,8 @@ def text_of(kind_path: str, choice: dict, streamed: bool) -> str:
 def test_health_and_models(http):
     health = http.get("/health").json()
     assert health["status"] == "ok" and health["model"] == MODEL_NAME and health["speculative_available"]
+    kv = health["kv_cache"]
+    assert kv["tokens"] == kv["blocks"] * kv["tokens_per_block"] and 0 <= kv["free_blocks"] <= kv["blocks"]
     models = http.get("/v1/models").json()
     assert models["object"] == "list" and [m["id"] for m in models["data"]] == [MODEL_NAME]
 
