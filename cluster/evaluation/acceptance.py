@@ -101,8 +101,8 @@ def sweep_shapes(cfg: RdserveConfig, prompts: Sequence[PromptRow], shapes: Seque
         raise ValueError("acceptance: drafter.path is not set in the config, so there is nothing to measure")
     results = []
     for num_beams, draft_len in tqdm(shapes, desc="acceptance sweep", disable=not progress, leave=False):
-        shaped = cfg.model_copy(update={"engine": cfg.engine.model_copy(
-            update={"num_beams": num_beams, "draft_len_per_beam": draft_len})})
+        shaped = cfg.model_copy(update={"engine": cfg.engine.model_copy(  # the shape, not the config's schedule
+            update={"num_beams": num_beams, "draft_len_per_beam": draft_len, "spec_schedule": None})})
         engine = build_engine(shaped)
         results.append({"num_beams": num_beams, "draft_len_per_beam": draft_len,
                         "by_category": measure_engine(engine, prompts, max_tokens)})
