@@ -28,7 +28,7 @@ from cluster.local_engine import build_engine
 from workers.engine import Engine
 from workers.sampling import SamplingParams
 from workers.spec_schedule import validate_schedule
-from workers.training.prompt_sources import build_prompts
+from workers.training.prompt_sources import build_prompts, require_datasets
 
 
 def run_batch(engine: Engine, prompts: list[list[int]], max_tokens: int, mode: str) -> dict:
@@ -80,7 +80,7 @@ def main() -> None:
     shape = (e.num_beams, e.draft_len_per_beam)
     fixed = validate_schedule([{"max_batch_size": max(batches), "num_beams": shape[0], "draft_len_per_beam": shape[1]}])
     engine.spec_schedule = fixed
-    prompts = [engine.encode_chat(p["messages"]) for p in build_prompts(Path(args.datasets_dir), "heldout")]
+    prompts = [engine.encode_chat(p["messages"]) for p in build_prompts(require_datasets(Path(args.datasets_dir)), "heldout")]
     prompts = [p for p in prompts if len(p) + args.max_tokens <= engine.max_seq_len]
     run_batch(engine, prompts[:2], 8, "spec")  # warm-up
     results = []

@@ -19,7 +19,7 @@ from cluster.config import load_config
 from cluster.local_engine import build_engine
 from workers.sampling import SamplingParams
 from workers.spec_schedule import validate_schedule
-from workers.training.prompt_sources import build_prompts, first_per_category
+from workers.training.prompt_sources import build_prompts, first_per_category, require_datasets
 
 
 def decode_all(engine, prompts: list[list[int]], mode: str, max_tokens: int) -> dict:
@@ -46,7 +46,7 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results/beam_shapes.json")
     args = ap.parse_args()
     engine = build_engine(load_config(args.config))
-    by_cat = first_per_category(build_prompts(Path(args.datasets_dir), "heldout"), args.prompts_per_category)
+    by_cat = first_per_category(build_prompts(require_datasets(Path(args.datasets_dir)), "heldout"), args.prompts_per_category)
     prompts = [engine.encode_chat(p["messages"]) for v in by_cat.values() for p in v]
     decode_all(engine, prompts[:1], "plain", 8)
     plain = decode_all(engine, prompts, "plain", args.max_tokens)

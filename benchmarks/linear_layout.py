@@ -3,6 +3,7 @@
 Usage: python benchmarks/linear_layout.py  (prints a table, writes benchmarks/results/linear_layout.json)
 """
 
+import argparse
 import json
 import time
 from pathlib import Path
@@ -20,6 +21,7 @@ def median_us(fn, repeats: int = 31) -> float:
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__).parse_args()
     shapes = {"qkv 576->960": (960, 576), "gate_up 576->3072": (3072, 576), "lm_head 576->49152": (49152, 576)}
     rows = []
     with torch.inference_mode():

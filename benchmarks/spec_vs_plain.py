@@ -23,7 +23,7 @@ from cluster.config import load_config
 from cluster.local_engine import build_engine
 from workers.engine import Engine
 from workers.sampling import SamplingParams
-from workers.training.prompt_sources import build_prompts, first_per_category
+from workers.training.prompt_sources import build_prompts, first_per_category, require_datasets
 
 
 def run_once(engine: Engine, ids: list[int], mode: str, max_tokens: int):
@@ -54,7 +54,7 @@ def main() -> None:
     cfg.engine = cfg.engine.model_copy(update=update)
     e = cfg.engine
     engine = build_engine(cfg)
-    by_cat = first_per_category(build_prompts(Path(args.datasets_dir), "heldout"), args.prompts_per_category)
+    by_cat = first_per_category(build_prompts(require_datasets(Path(args.datasets_dir)), "heldout"), args.prompts_per_category)
     prompts = [p for ps in by_cat.values() for p in ps]
     warm = engine.encode_chat(prompts[0]["messages"])
     for mode in ("plain", "spec"):

@@ -26,7 +26,7 @@ from cluster.config import load_config
 from cluster.local_engine import build_engine
 from workers.models.pull import pull_default
 from workers.sampling import SamplingParams
-from workers.training.prompt_sources import build_prompts
+from workers.training.prompt_sources import build_prompts, require_datasets
 
 
 def ours(engine, prompts: list[list[int]], max_tokens: int) -> float:
@@ -78,7 +78,7 @@ def main() -> None:
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[cfg.engine.dtype]
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
-    prompts = [engine.encode_chat(p["messages"]) for p in build_prompts(Path(args.datasets_dir), "heldout")]
+    prompts = [engine.encode_chat(p["messages"]) for p in build_prompts(require_datasets(Path(args.datasets_dir)), "heldout")]
     prompts = [p for p in prompts if len(p) <= 256]
     ours(engine, prompts[:1], 4)
     with torch.inference_mode():

@@ -176,11 +176,14 @@ def check_startable(cfg: RdserveConfig, cuda_available: bool | None = None) -> N
             raise ConfigError(f"{field}: directory not found: {path}")
         if path is not None and not (path / "config.json").is_file():
             raise ConfigError(f"{field}: {path} has no config.json (not a model/drafter directory)")
-    if eng.tp_size > 1 and cfg.model.path is not None:
+    if eng.tp_size > 1:
         from workers.models.config import LlamaConfig
+        from workers.models.pull import default_model_dir
         from workers.tp.layers import check_tp_size
 
-        try:
-            check_tp_size(LlamaConfig.from_dir(cfg.model.path), eng.tp_size)
-        except ValueError as err:
-            raise ConfigError(f"engine.tp_size: {err} (model {cfg.model.path})") from None
+        model_dir = cfg.model.path or default_model_dir()  # the default model once pulled
+        if (model_dir / "config.json").is_file():
+            try:
+                check_tp_size(LlamaConfig.from_dir(model_dir), eng.tp_size)
+            except ValueError as err:
+                raise ConfigError(f"engine.tp_size: {err} (model {model_dir})") from None

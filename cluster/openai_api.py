@@ -20,6 +20,7 @@ from pydantic import BaseModel
 from ray import serve
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster.protocol import (
     ChatCompletionRequest,
@@ -42,9 +43,19 @@ api = FastAPI(title="rdserve", description="OpenAI-compatible LLM serving with R
 @api.exception_handler(RequestValidationError)
 async def _invalid_request(_: Request, exc: RequestValidationError) -> JSONResponse:
     """FastAPI's 422 becomes OpenAI's 400; the message and ``param`` name the (first) bad field."""
-    fields = [".".join(str(p) for p in e["loc"] if p != "body") for e in exc.errors()]
-    message = "; ".join(f"{f or 'body'}: {e['msg']}" for f, e in zip(fields, exc.errors()))
+    errors = exc.errors()
+    if errors and errors[0]["type"] == "json_invalid":  # loc is a character offset, not a field
+        return JSONResponse(error_body(f"body: invalid JSON ({errors[0]['msg']})", None), status_code=400)
+    fields = [".".join(str(p) for p in e["loc"] if p != "body") for e in errors]
+    message = "; ".join(f"{f or 'body'}: {e['msg']}" for f, e in zip(fields, errors))
     return JSONResponse(error_body(message, fields[0] or None), status_code=400)
+
+
+@api.exception_handler(StarletteHTTPException)
+async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    """Unknown paths (404) and wrong methods (405) in the OpenAI error envelope."""
+    return JSONResponse(error_body(str(exc.detail), None, "invalid_request_error"), status_code=exc.status_code,
+                        headers=getattr(exc, "headers", None))
 
 
 @api.exception_handler(RequestError)

@@ -43,6 +43,22 @@ def error_body(message: str, param: str | None, type_: str = "invalid_request_er
     return {"error": {"message": message, "type": type_, "param": param, "code": None}}
 
 
+MAX_PROMPT_CHARS_PER_TOKEN = 32
+"""A prompt longer than ``max_seq_len * MAX_PROMPT_CHARS_PER_TOKEN`` characters cannot fit in the
+context with any practical tokenizer; it is rejected before tokenization, which would otherwise hold
+the engine thread (and every stream on the replica) for seconds."""
+
+
+def check_prompt_chars(num_chars: int, max_seq_len: int, prompt_field: str) -> None:
+    """Raises:
+        RequestError: the prompt text is too long to tokenize into the context.
+    """
+    limit = max_seq_len * MAX_PROMPT_CHARS_PER_TOKEN
+    if num_chars > limit:
+        raise RequestError(prompt_field, f"{prompt_field}: {num_chars} characters cannot fit in the context of "
+                                         f"{max_seq_len} tokens (at most {limit} characters are accepted)")
+
+
 def resolve_max_tokens(requested: int | None, prompt_tokens: int, max_seq_len: int, *,
                        prompt_field: str, max_tokens_field: str) -> int:
     """Completion budget in tokens, checked against the context length (prompt + completion).
@@ -182,6 +198,12 @@ class ChatCompletionRequest(_GenerationRequest):
 class CompletionRequest(_GenerationRequest):
     prompt: str | list[str]
     max_tokens: int | None = Field(COMPLETIONS_DEFAULT_MAX_TOKENS, ge=1)
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _null_means_default(cls, value: int | None) -> int:
+        """An explicit ``null`` is OpenAI's default (16), as when the field is absent."""
+        return COMPLETIONS_DEFAULT_MAX_TOKENS if value is None else value
 
     @field_validator("prompt")
     @classmethod

@@ -17,7 +17,7 @@ from ray import serve
 
 from cluster.config import RdserveConfig
 from cluster.local_engine import build_engine
-from cluster.protocol import RequestError, resolve_max_tokens
+from cluster.protocol import RequestError, check_prompt_chars, resolve_max_tokens
 from cluster.router import choose_mode
 from workers.async_engine import AsyncEngine, EngineFailure
 from workers.engine import GenerationDelta
@@ -109,6 +109,8 @@ class EngineReplica:
     async def _generate(self, req: EngineRequest) -> AsyncIterator[Started | Failed | GenerationDelta]:
         prompt_field = "messages" if req.messages is not None else "prompt"
         try:
+            text = req.prompt if req.messages is None else "".join(str(m.get("content", "")) for m in req.messages)
+            check_prompt_chars(len(text), self.engine.max_seq_len, prompt_field)
             if req.messages is not None:
                 prompt_ids = await self.async_engine.call(self.engine.encode_chat, req.messages)
             else:

@@ -26,6 +26,22 @@ def test_local_yaml_is_valid_from_any_cwd(monkeypatch, tmp_path):
     assert (cfg.serve.port, cfg.serve.replicas) == (8000, 1)
 
 
+def test_tp_size_is_checked_against_the_pulled_default_model(tmp_path, monkeypatch):
+    """With ``model.path: null`` the check reads the cached default model's config (9 heads, 3 KV heads)."""
+    import json
+
+    monkeypatch.setenv("RDSERVE_CACHE", str(tmp_path))
+    model_dir = tmp_path / "models" / "SmolLM2-135M-Instruct"
+    model_dir.mkdir(parents=True)
+    (model_dir / "config.json").write_text(json.dumps({
+        "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
+        "num_key_value_heads": 3, "vocab_size": 49152, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5,
+        "rope_theta": 100000.0, "tie_word_embeddings": True, "eos_token_id": 2}))
+    with pytest.raises(ConfigError, match="engine.tp_size: tp_size=2 must divide num_attention_heads=9"):
+        check_startable(parse_config({"engine": {"tp_size": 2}}, tmp_path), cuda_available=False)
+    check_startable(parse_config({"engine": {"tp_size": 3}}, tmp_path), cuda_available=False)
+
+
 @pytest.mark.parametrize("preset", sorted(p.name for p in (REPO / "configs").glob("*.yaml")))
 def test_every_preset_is_startable(preset):
     cfg = load_config(REPO / "configs" / preset)

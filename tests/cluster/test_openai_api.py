@@ -153,6 +153,24 @@ def test_bad_requests_are_400_naming_the_field(http, path, body, param):
         assert error["message"].startswith(f"{param}:")
 
 
+def test_malformed_json_unknown_paths_and_huge_prompts_get_openai_errors(http):
+    resp = http.post("/v1/completions", content=b'{"prompt": "a",', headers={"content-type": "application/json"})
+    assert resp.status_code == 400
+    assert resp.json()["error"]["param"] is None and resp.json()["error"]["message"].startswith("body: invalid JSON")
+    for method, path, code in (("GET", "/v1/nothing", 404), ("GET", "/v1/completions", 405)):
+        resp = http.request(method, path)
+        assert resp.status_code == code and "message" in resp.json()["error"]
+    resp = http.post("/v1/completions", json={"prompt": "x" * 2_000_000, "max_tokens": 4})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "prompt"
+    assert "characters cannot fit" in resp.json()["error"]["message"]
+
+
+def test_completions_null_max_tokens_means_the_default_16(http):
+    body = {"prompt": "Once upon a time", "temperature": 0, "max_tokens": None, "stop": None}
+    usage = http.post("/v1/completions", json={**body, "ignore_eos": True}).json()["usage"]
+    assert usage["completion_tokens"] == 16
+
+
 def test_openai_client_sees_400(base_url):
     client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
     with pytest.raises(openai.BadRequestError, match="temperature"):

@@ -102,6 +102,20 @@ def stdlib_prompts(limit: int = 400, seed: int = 0) -> list[dict]:
     return out
 
 
+def require_datasets(datasets_dir: Path) -> Path:
+    """``datasets_dir`` if it holds the GSM8K and HumanEval subsets (``gsm8k/gsm8k_dev.jsonl``,
+    ``humaneval/humaneval_dev.jsonl``).
+
+    Raises:
+        FileNotFoundError: naming the missing file, so a benchmark never silently drops categories.
+    """
+    for rel in ("gsm8k/gsm8k_dev.jsonl", "humaneval/humaneval_dev.jsonl"):
+        if not (Path(datasets_dir) / rel).is_file():
+            raise FileNotFoundError(f"{Path(datasets_dir) / rel} not found: pass --datasets-dir DIR holding the "
+                                    "GSM8K and HumanEval subsets (math and code prompts)")
+    return Path(datasets_dir)
+
+
 def build_prompts(datasets_dir: Path | None, split: str) -> list[dict]:
     """All prompts of one split (``train`` or ``heldout``), interleaved by category."""
     prompts = chat_prompts() + stdlib_prompts()
