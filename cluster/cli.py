@@ -162,15 +162,18 @@ def generate(
 
     engine = build_engine(_with_model_dir(cfg))
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed)
-    for item in items:
-        result = _generate_one(engine, item, params, mode)
-        if as_json:
-            print(json.dumps(result), flush=True)
-        else:
-            console.print(result["text"], markup=False, highlight=False)
-            console.print(f"[dim]{result['completion_tokens']} tokens in {result['num_steps']} steps "
-                          f"({result['tokens_per_step']:.2f} tokens/step, {result['latency_s']:.2f} s, "
-                          f"{result['mode']}, finish {result['finish_reason']})[/dim]")
+    try:
+        for item in items:
+            result = _generate_one(engine, item, params, mode)
+            if as_json:
+                print(json.dumps(result), flush=True)
+            else:
+                console.print(result["text"], markup=False, highlight=False)
+                console.print(f"[dim]{result['completion_tokens']} tokens in {result['num_steps']} steps "
+                              f"({result['tokens_per_step']:.2f} tokens/step, {result['latency_s']:.2f} s, "
+                              f"{result['mode']}, finish {result['finish_reason']})[/dim]")
+    finally:
+        engine.close()  # a tensor-parallel engine shuts its MPI ranks down
 
 
 def _read_prompts(path: Path) -> list[dict]:
