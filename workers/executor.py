@@ -27,10 +27,6 @@ class LocalExecutor:
     def trash_slot(self) -> int:
         return self.cache.trash_slot
 
-    @property
-    def kv_cache_bytes(self) -> int:
-        return self.cache.nbytes
-
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Hidden states ``[N, hidden_size]`` (post final norm) of the batch's packed tokens."""

@@ -28,7 +28,7 @@ class AttentionGroup:
     mask: ``[batch, 1, seq_len, kv_len] bool``; True where new token t may attend to kv entry j.
         Every row needs at least one True (padding tokens attend to themselves).
     kv_run_start: when ``batch == 1`` and the kv slots are ``s, s + 1, ..., s + kv_len - 1``, that
-        ``s``: the cache then reads a view instead of gathering (:func:`run_start`).
+        ``s``: the cache then reads a view instead of gathering.
     """
 
     start: int
@@ -99,9 +99,3 @@ def contiguous_batch(input_ids: torch.Tensor, start: int, mask: torch.Tensor | N
     new = torch.arange(base_slot + start, base_slot + start + T, device=dev)
     return ForwardBatch(input_ids, positions, new, [group])
 
-
-def run_start(slots: list[int]) -> int | None:
-    """``slots[0]`` when ``slots`` is a run of consecutive integers, else None."""
-    if slots and slots[-1] - slots[0] == len(slots) - 1 and all(b - a == 1 for a, b in zip(slots, slots[1:])):
-        return slots[0]
-    return None

@@ -40,10 +40,6 @@ class KVCache:
     def trash_slot(self) -> int:
         return self.num_slots
 
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
-
     def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store new keys/values. slot_mapping: ``[N] long``; k, v: ``[N, n_kv_heads, head_dim]``."""
         self.k[layer].index_copy_(0, slot_mapping, k)

@@ -84,11 +84,6 @@ class TPExecutor:
     def trash_slot(self) -> int:
         return self.worker.cache.trash_slot
 
-    @property
-    def kv_cache_bytes(self) -> int:
-        """KV-cache bytes on this rank (every rank holds the same amount)."""
-        return self.worker.cache.nbytes
-
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Hidden states ``[N, hidden_size]`` (post final norm) of the batch's packed tokens."""
         self._broadcast("forward", (batch,))
