@@ -27,7 +27,7 @@ from cluster.config import load_config
 from cluster.local_engine import build_engine
 from workers.engine import Engine
 from workers.sampling import SamplingParams
-from workers.spec_schedule import validate_schedule
+from workers.spec_schedule import fixed_schedule
 from workers.training.prompt_sources import build_prompts, require_datasets
 
 
@@ -78,8 +78,7 @@ def main() -> None:
     engine = build_engine(cfg)
     e = cfg.engine
     shape = (e.num_beams, e.draft_len_per_beam)
-    fixed = validate_schedule([{"max_batch_size": max(batches), "num_beams": shape[0], "draft_len_per_beam": shape[1]}])
-    engine.spec_schedule = fixed
+    engine.spec_schedule = fixed_schedule(shape, max(batches))
     prompts = [engine.encode_chat(p["messages"]) for p in build_prompts(require_datasets(Path(args.datasets_dir)), "heldout")]
     prompts = [p for p in prompts if len(p) + args.max_tokens <= engine.max_seq_len]
     run_batch(engine, prompts[:2], 8, "spec")  # warm-up

@@ -18,7 +18,7 @@ from pathlib import Path
 from cluster.config import load_config
 from cluster.local_engine import build_engine
 from workers.sampling import SamplingParams
-from workers.spec_schedule import validate_schedule
+from workers.spec_schedule import fixed_schedule
 from workers.training.prompt_sources import build_prompts, first_per_category, require_datasets
 
 
@@ -53,7 +53,7 @@ def main() -> None:
     rows = []
     for shape in args.shapes.split(","):
         nb, dl = (int(x) for x in shape.split("x"))
-        engine.spec_schedule = validate_schedule([{"max_batch_size": 1, "num_beams": nb, "draft_len_per_beam": dl}])
+        engine.spec_schedule = fixed_schedule((nb, dl), 1)
         r = decode_all(engine, prompts, "spec", args.max_tokens)
         r.update(num_beams=nb, draft_len_per_beam=dl, speedup=r["tokens_per_s"] / plain["tokens_per_s"])
         rows.append(r)

@@ -22,23 +22,18 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from batch_scaling import run_batch  # benchmarks/ is on sys.path when run as a script
 from cluster.config import load_config
 from cluster.local_engine import build_engine
 from workers.models.pull import pull_default
-from workers.sampling import SamplingParams
 from workers.training.prompt_sources import build_prompts, require_datasets
 
 
 def ours(engine, prompts: list[list[int]], max_tokens: int) -> float:
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    t0 = time.perf_counter()
-    for i, ids in enumerate(prompts):
-        engine.add_request(f"v{i}", ids, params, "plain")
-    produced = 0
-    while engine.num_unfinished:
-        produced += sum(len(d.token_ids) for d in engine.step())
-    assert produced == max_tokens * len(prompts)
-    return produced / (time.perf_counter() - t0)
+    """rdserve plain decoding, all requests submitted at once (``batch_scaling.run_batch``)."""
+    result = run_batch(engine, prompts, max_tokens, "plain")
+    assert result["output_tokens"] == max_tokens * len(prompts)
+    return result["tokens_per_s"]
 
 
 def theirs(model, tokenizer, prompts: list[list[int]], max_tokens: int) -> float:

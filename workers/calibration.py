@@ -21,13 +21,7 @@ import torch
 
 from workers.engine import Engine
 from workers.sampling import SamplingParams
-from workers.spec_schedule import Shape, validate_schedule
-
-
-def _fixed_schedule(shape: Shape | None, batch_size: int):
-    if shape is None:
-        return "off"
-    return validate_schedule([{"max_batch_size": batch_size, "num_beams": shape[0], "draft_len_per_beam": shape[1]}])
+from workers.spec_schedule import Shape, fixed_schedule
 
 
 def measure_step_s(engine: Engine, batch_size: int, shape: Shape | None, *, context_len: int = 256,
@@ -42,7 +36,7 @@ def measure_step_s(engine: Engine, batch_size: int, shape: Shape | None, *, cont
     if engine.num_unfinished:
         raise RuntimeError("measure_step_s needs an idle engine")
     saved = engine.spec_schedule
-    engine.spec_schedule = _fixed_schedule(shape, batch_size)
+    engine.spec_schedule = fixed_schedule(shape, batch_size)
     gen = torch.Generator().manual_seed(seed)
     vocab = engine.config.vocab_size
     draft = shape[1] + 1 if shape else 1
@@ -84,7 +78,7 @@ def measure_tokens_per_step(engine: Engine, prompts: list[list[int]], shape: Sha
     if not prompts:
         raise ValueError("no prompts to measure tokens per step on")
     saved = engine.spec_schedule
-    engine.spec_schedule = _fixed_schedule(shape, 1)
+    engine.spec_schedule = fixed_schedule(shape, 1)
     steps = accepted = 0
     try:
         for prompt in prompts:

@@ -29,7 +29,7 @@ from workers.redrafter.drafter import load_drafter
 from workers.sampling import SamplingParams, make_generator
 from workers.scheduler import Scheduler, SchedulerConfig
 from workers.sequence import Sequence
-from workers.spec_schedule import SpecScheduleRow, validate_schedule
+from workers.spec_schedule import fixed_schedule, validate_schedule
 from workers.stopping import OutputStream
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -125,11 +125,9 @@ class Engine:
         if drafter_path:
             self.drafter = load_drafter(drafter_path, model.lm_head.weight, dtype, opts.device)
         if opts.spec_schedule is None:
-            table = [SpecScheduleRow(max_batch_size=opts.max_batch_size, num_beams=opts.num_beams,
-                                     draft_len_per_beam=opts.draft_len_per_beam)]
+            self.spec_schedule = fixed_schedule((opts.num_beams, opts.draft_len_per_beam), opts.max_batch_size)
         else:
-            table = opts.spec_schedule
-        self.spec_schedule = validate_schedule(table)
+            self.spec_schedule = validate_schedule(opts.spec_schedule)
         self.kv_size = self._size_cache(cfg, dtype)
         log.info("%s", self.kv_size)
         self.blocks = BlockManager(self.kv_size.num_blocks, opts.tokens_per_block)

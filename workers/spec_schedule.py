@@ -87,6 +87,14 @@ SpecSchedule = Annotated[Union[Literal["off"], list[SpecScheduleRow]], BeforeVal
 """Config field type: pydantic parses the rows and :func:`validate_schedule` checks their order."""
 
 
+def fixed_schedule(shape: Shape | None, max_batch_size: int) -> "SpecSchedule":
+    """One shape at every batch size up to ``max_batch_size`` (``None``: ``"off"``); what a config
+    without a table means, and what measurements of a single shape use."""
+    if shape is None:
+        return "off"
+    return [SpecScheduleRow(max_batch_size=max_batch_size, num_beams=shape[0], draft_len_per_beam=shape[1])]
+
+
 def choose_shape(table: SpecSchedule, num_generation_requests: int) -> Shape | None:
     """``(num_beams, draft_len_per_beam)`` for a batch of ``num_generation_requests``, or None (off).
 

@@ -6,7 +6,7 @@ import pytest
 import yaml
 from pydantic import BaseModel
 
-from workers.spec_schedule import SpecSchedule, choose_shape, derive_schedule, validate_schedule
+from workers.spec_schedule import SpecSchedule, choose_shape, derive_schedule, fixed_schedule, validate_schedule
 
 TABLE = [
     {"max_batch_size": 1, "num_beams": 2, "draft_len_per_beam": 4},
@@ -97,3 +97,9 @@ def test_unquoted_yaml_off_means_off():
         spec_schedule: SpecSchedule
 
     assert Engine(**yaml.safe_load("spec_schedule: off")).spec_schedule == "off"
+
+
+def test_fixed_schedule_uses_one_shape_up_to_its_batch_size():
+    table = fixed_schedule((2, 3), 8)
+    assert [choose_shape(table, n) for n in (1, 8, 9)] == [(2, 3), (2, 3), None]
+    assert fixed_schedule(None, 8) == "off"
