@@ -24,8 +24,8 @@ DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "local.yaml"
 READY_TIMEOUT_S = 300.0
 
 app = typer.Typer(help="LLM serving with ReDrafter speculative decoding (Ray Serve, OpenAI API).",
-                  no_args_is_help=True)
-model_app = typer.Typer(help="Manage the default model (SmolLM2-135M-Instruct).", no_args_is_help=True)
+                  no_args_is_help=True, rich_markup_mode=None)  # plain help: rich truncates long option names
+model_app = typer.Typer(help="Manage the default model (SmolLM2-135M-Instruct).", no_args_is_help=True, rich_markup_mode=None)
 app.add_typer(model_app, name="model")
 app.add_typer(drafter_app, name="drafter")
 app.command("bench")(bench)

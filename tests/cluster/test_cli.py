@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import typer
 from typer.testing import CliRunner
 
 from cluster.cli import app
@@ -31,10 +32,19 @@ def test_up_with_bad_config_exits_2_naming_the_field(tmp_path, yaml_text, field)
     assert field in result.output
 
 
-@pytest.mark.parametrize("command", [[], ["up"], ["generate"], ["model"], ["model", "pull"], ["drafter"]])
-def test_every_command_has_help(command):
-    result = runner.invoke(app, [*command, "--help"])
+COMMANDS = [[], ["up"], ["generate"], ["eval"], ["bench"], ["calibrate"], ["model"], ["model", "pull"], ["drafter"],
+            ["drafter", "train"]]
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_command_has_help_that_fits_80_columns(command):
+    """Every option is shown whole at 80 columns (no "…"-truncated option names)."""
+    result = runner.invoke(app, [*command, "--help"], env={"COLUMNS": "80", "TERMINAL_WIDTH": "80"})
     assert result.exit_code == 0 and "Usage" in result.output
+    assert "…" not in result.output and max(len(line) for line in result.output.splitlines()) <= 80
+    for param in typer.main.get_command(app).commands.get(command[0], None).params if command else []:
+        for opt in getattr(param, "opts", []):
+            assert opt in result.output or param.hidden
 
 
 def test_generate_json_lines(tiny_config_path, tmp_path):

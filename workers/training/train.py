@@ -26,46 +26,68 @@ from workers.redrafter.drafter import DrafterConfig, ReDrafter
 
 @dataclass
 class TrainExamples:
-    """contexts ``[N, H] float16``, windows ``[N, K + 1] long`` (root then K targets, -100 padded)."""
+    """Response positions of self-distillation shards.
 
-    contexts: torch.Tensor
+    ``hiddens``: ``[P, H] float16``, every stored hidden state (``hiddens[j]`` chose the j-th
+    response token of its record); ``ctx_idx``: ``[N] long``, the context ``g_i`` of each example
+    in ``hiddens`` (the hidden that chose ``y_{i+k}`` is ``hiddens[ctx_idx + k]``); ``windows``:
+    ``[N, K + 1] long`` (root then K targets, -100 padded); ``prompt_idx``: ``[N] long``, which
+    record (prompt) each example came from.
+    """
+
+    hiddens: torch.Tensor
+    ctx_idx: torch.Tensor
     windows: torch.Tensor
+    prompt_idx: torch.Tensor
     categories: list[str]
+
+    @property
+    def contexts(self) -> torch.Tensor:
+        """``[N, H] float16`` contexts (a copy)."""
+        return self.hiddens[self.ctx_idx]
 
 
 def load_examples(shard_dir: Path, draft_len: int) -> TrainExamples:
-    """All response positions of all shards in ``shard_dir``.
+    """All response positions of all shards in ``shard_dir`` and its subdirectories.
 
     Raises:
         FileNotFoundError: when the directory holds no shard.
     """
-    shards = sorted(shard_dir.glob("shard-*.pt"))
+    shards = sorted(shard_dir.rglob("shard-*.pt"))
     if not shards:
         raise FileNotFoundError(f"no shard-*.pt files in {shard_dir}")
-    contexts, windows, cats = [], [], []
-    for shard in shards:
+    hiddens, ctx_idx, windows, prompt_idx, cats = [], [], [], [], []
+    offset, n_rec = 0, 0
+    for shard in tqdm(shards, desc="loading shards", unit="shard"):
         for rec in torch.load(shard, weights_only=False):
             ids = torch.tensor(rec["response_ids"])
             n = len(ids)
             if n < 2:
                 continue
             padded = torch.cat([ids, torch.full((draft_len,), -100)])
-            win = padded.unfold(0, draft_len + 1, 1)[: n - 1]
-            contexts.append(rec["hiddens"][: n - 1])
-            windows.append(win)
+            windows.append(padded.unfold(0, draft_len + 1, 1)[: n - 1])
+            hiddens.append(rec["hiddens"][:n])
+            ctx_idx.append(torch.arange(offset, offset + n - 1))
+            prompt_idx.append(torch.full((n - 1,), n_rec))
             cats += [rec["category"]] * (n - 1)
-    return TrainExamples(torch.cat(contexts), torch.cat(windows), cats)
+            offset, n_rec = offset + n, n_rec + 1
+    return TrainExamples(torch.cat(hiddens), torch.cat(ctx_idx), torch.cat(windows), torch.cat(prompt_idx), cats)
 
 
 def drafter_loss(
     drafter: ReDrafter, embed: torch.Tensor, contexts: torch.Tensor, windows: torch.Tensor,
-    to_draft: torch.Tensor | None = None,
+    to_draft: torch.Tensor | None = None, teacher_hiddens: torch.Tensor | None = None,
+    teacher_head: torch.Tensor | None = None, soft_weight: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mean cross-entropy over drafted positions, and top-1 accuracy per position ``[K]``.
+    """Mean loss over drafted positions, and top-1 accuracy per position ``[K]``.
 
     contexts ``[B, H]``; windows ``[B, K + 1] long`` (-100 where past the end of a response).
     ``to_draft`` (``[V] long``) maps token ids to draft-vocabulary indices (-100 outside it) when
-    the drafter's vocabulary is restricted; such targets count as misses and carry no loss.
+    the drafter's vocabulary is restricted; such targets count as misses and carry no hard loss.
+    The loss is ``(1 - soft_weight) * CE(base token) + soft_weight * CE(base distribution)``;
+    the base distribution at target ``k`` is ``softmax(teacher_head @ teacher_hiddens[:, k])``
+    (``teacher_hiddens``: ``[B, K, H]``, ``teacher_head``: ``[Vd, H]`` over the drafter's
+    vocabulary), i.e. the KL-to-the-base-model variant of Sec. 3.4 up to a constant.
     """
     K = windows.shape[1] - 1
     state = torch.zeros_like(contexts)
@@ -75,13 +97,27 @@ def drafter_loss(
         state = drafter.step_state(state, F.embedding(inp, embed))
         logits = drafter.logits(contexts, state)
         target = windows[:, k + 1]
-        if to_draft is not None:
-            target = torch.where(target >= 0, to_draft[target.clamp(min=0)], target)
-        losses.append(F.cross_entropy(logits, target, ignore_index=-100, reduction="sum"))
         valid = target >= 0
-        correct.append(((logits.argmax(-1) == target) & valid).sum() / valid.sum().clamp(min=1))
+        if to_draft is not None:
+            target = torch.where(valid, to_draft[target.clamp(min=0)], target)
+        loss = F.cross_entropy(logits, target, ignore_index=-100, reduction="sum")
+        if soft_weight > 0:
+            with torch.no_grad():
+                teacher = F.softmax(F.linear(teacher_hiddens[:, k], teacher_head).float(), dim=-1)
+            soft = -(teacher * F.log_softmax(logits, dim=-1)).sum(-1)
+            loss = (1 - soft_weight) * loss + soft_weight * (soft * valid).sum()
+        losses.append(loss)
+        hit = target >= 0
+        correct.append(((logits.argmax(-1) == target) & hit).sum() / valid.sum().clamp(min=1))
     n = (windows[:, 1:] >= 0).sum().clamp(min=1)
     return torch.stack(losses).sum() / n, torch.stack(correct)
+
+
+def _teacher_hiddens(examples: TrainExamples, idx: torch.Tensor, K: int) -> torch.Tensor:
+    """``[B, K, H]``: the hidden states that chose targets 1..K of examples ``idx`` (any row
+    where a target is past the end of its response is masked by the loss)."""
+    pos = (examples.ctx_idx[idx, None] + torch.arange(1, K + 1)[None, :]).clamp(max=len(examples.hiddens) - 1)
+    return examples.hiddens[pos].float()
 
 
 def train_drafter(
@@ -98,8 +134,13 @@ def train_drafter(
     checkpoint_every: int = 200,
     seed: int = 0,
     draft_vocab_size: int = 8192,
+    soft_weight: float = 0.0,
 ) -> dict:
     """Train and save a drafter to ``out_dir``; resumes from ``out_dir/checkpoint.pt``.
+
+    About ``heldout_fraction`` of the prompts (whole responses, chosen by a seeded draw) are kept
+    out of training for the reported top-1 accuracy. ``soft_weight`` mixes in the base model's
+    distribution as a target (see :func:`drafter_loss`).
 
     Returns a report dict (also written to ``out_dir/train_report.json``).
     """
@@ -128,10 +169,18 @@ def train_drafter(
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / 100) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps))
     )
-    n = examples.contexts.shape[0]
-    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
-    n_held = max(1, int(n * heldout_fraction))
-    held, train_idx = perm[:n_held], perm[n_held:]
+    teacher_head = head if to_draft is None else head[vocab]
+    n_prompts = int(examples.prompt_idx.max()) + 1
+    held_prompts = torch.rand(n_prompts, generator=torch.Generator().manual_seed(seed)) < heldout_fraction
+    held_prompts[0] |= not held_prompts.any()  # always measure on at least one prompt
+    is_held = held_prompts[examples.prompt_idx]
+    held, train_idx = is_held.nonzero()[:, 0], (~is_held).nonzero()[:, 0]
+    K = examples.windows.shape[1] - 1
+
+    def loss_of(idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        teacher = _teacher_hiddens(examples, idx, K) if soft_weight > 0 else None
+        return drafter_loss(drafter, embed, examples.hiddens[examples.ctx_idx[idx]].float(), examples.windows[idx],
+                            to_draft, teacher, teacher_head, soft_weight)
     ckpt = out_dir / "checkpoint.pt"
     start, elapsed = 0, 0.0
     if ckpt.exists():
@@ -146,7 +195,7 @@ def train_drafter(
     for step in bar:
         idx = train_idx[torch.tensor([rng.randrange(len(train_idx)) for _ in range(batch_size)])]
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss, acc = drafter_loss(drafter, embed, examples.contexts[idx].float(), examples.windows[idx], to_draft)
+            loss, acc = loss_of(idx)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
@@ -164,7 +213,7 @@ def train_drafter(
     with torch.no_grad():
         accs = []
         for chunk in held.split(512):
-            _, acc = drafter_loss(drafter, embed, examples.contexts[chunk].float(), examples.windows[chunk], to_draft)
+            _, acc = loss_of(chunk)
             accs.append(acc)
         acc = torch.stack(accs).mean(0)
     if restrict and head_type == "full":
@@ -173,9 +222,10 @@ def train_drafter(
     report = {
         "draft_vocab_size": draft_vocab_size if coverage is not None else cfg.vocab_size,
         "draft_vocab_coverage": coverage,
-        "steps": steps, "batch_size": batch_size, "train_examples": len(train_idx), "heldout_examples": n_held,
+        "steps": steps, "batch_size": batch_size, "train_examples": len(train_idx), "heldout_examples": len(held),
         "train_time_s": round(elapsed, 1), "heldout_top1_accuracy_per_position": [round(a, 4) for a in acc.tolist()],
-        "num_draft_layers": num_draft_layers, "head_type": head_type,
+        "num_draft_layers": num_draft_layers, "head_type": head_type, "soft_weight": soft_weight,
+        "heldout": "whole prompts",
     }
     (out_dir / "train_report.json").write_text(json.dumps(report, indent=2) + "\n")
     return report

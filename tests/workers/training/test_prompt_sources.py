@@ -13,3 +13,16 @@ def test_train_and_heldout_splits_are_disjoint_and_stable():
     held = {p["messages"][0]["content"] for p in build_prompts(None, "heldout")}
     assert train and held and not (train & held)
     assert all(split_of(t) == "heldout" for t in held)
+
+
+def test_extra_prompts_are_new_and_cover_every_category():
+    from workers.training.extra_prompts import extra_prompts
+
+    extra = extra_prompts()
+    texts = [p["messages"][0]["content"] for p in extra]
+    base = {p["messages"][0]["content"] for split in ("train", "heldout") for p in build_prompts(None, split)}
+    assert len(set(texts)) == len(texts) and not (set(texts) & base)
+    counts = {c: sum(p["category"] == c for p in extra) for c in ("chat", "code", "math")}
+    assert min(counts.values()) >= 1000, counts
+    assert extra == extra_prompts()  # stable order: generation resumes by position
+    assert all(t.strip() for t in texts)

@@ -1,0 +1,88 @@
+"""Self-distillation examples and losses on a tiny random model: the teacher hidden states line up
+with the tokens they chose, held-out prompts are whole prompts, and the soft (distribution)
+target trains a drafter as well as the hard one."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from workers.models.loader import load_model
+from workers.training.distill_data import generate_dataset
+from workers.training.train import _teacher_hiddens, load_examples, train_drafter
+
+K = 3
+
+
+@pytest.fixture(scope="module")
+def distilled(tiny_model_dirs, tmp_path_factory):
+    model_dir = tiny_model_dirs["tied_gqa2"]
+    base = load_model(model_dir)
+    rng = random.Random(0)
+    prompts = [{"prompt_ids": [rng.randrange(3, base.config.vocab_size) for _ in range(rng.randint(1, 20))]}
+               for _ in range(64)]
+    root = tmp_path_factory.mktemp("distill")
+    generate_dataset(base, prompts[:40], root, 24, batch_size=16, eos_ids=set(base.config.eos_token_id))
+    generate_dataset(base, prompts[40:], root / "extra", 24, batch_size=16, eos_ids=set(base.config.eos_token_id))
+    return base, load_examples(root, draft_len=K), root
+
+
+def test_examples_come_from_every_shard_directory(distilled):
+    _, ex, root = distilled
+    records = [r for p in sorted(root.rglob("shard-*.pt")) for r in torch.load(p, weights_only=False)]
+    assert len(records) == 64
+    usable = [r for r in records if len(r["response_ids"]) >= 2]  # one token gives no training example
+    assert int(ex.prompt_idx.max()) + 1 == len(usable) and len(ex.ctx_idx) == sum(len(r["response_ids"]) - 1 for r in usable)
+
+
+def test_teacher_hiddens_are_the_records_hiddens(distilled):
+    """Example i of a record with hiddens g: context g[i], teacher k = g[i + k] (random tiny models
+    repeat tokens, so argmax agreement alone would not catch an off-by-one)."""
+    _, ex, root = distilled
+    teacher = _teacher_hiddens(ex, torch.arange(len(ex.ctx_idx)), K)
+    e = 0
+    for path in sorted(root.rglob("shard-*.pt")):
+        for rec in torch.load(path, weights_only=False):
+            n = len(rec["response_ids"])
+            if n < 2:
+                continue
+            g = rec["hiddens"].float()
+            assert torch.equal(ex.contexts[e : e + n - 1].float(), g[: n - 1])
+            for k in range(1, K + 1):
+                assert torch.equal(teacher[e : e + n - k, k - 1], g[k:n])
+            e += n - 1
+    assert e == len(ex.ctx_idx)
+
+
+def test_teacher_hiddens_chose_the_target_tokens(distilled):
+    """hiddens[ctx_idx + k] is the state whose argmax is target k: greedy data makes them agree."""
+    base, ex, _ = distilled
+    idx = torch.arange(len(ex.ctx_idx))
+    teacher = _teacher_hiddens(ex, idx, K)  # [N, K, H]
+    with torch.no_grad():
+        chosen = base.logits(teacher.reshape(-1, teacher.shape[-1])).argmax(-1).reshape(len(idx), K)
+    targets = ex.windows[:, 1:]
+    valid = targets >= 0
+    agree = (chosen == targets)[valid].float().mean().item()
+    assert agree > 0.98  # stored in float16, so a rare near-tie may flip
+    # the root token (window column 0) was chosen by the context itself
+    with torch.no_grad():
+        root = base.logits(ex.contexts.float()).argmax(-1)
+    assert (root == ex.windows[:, 0]).float().mean().item() > 0.98
+
+
+def test_distribution_targets_generalise_better_than_tokens_on_little_data(distilled, tmp_path):
+    """On ~50 prompts, hard targets overfit (the drafter starts as the base head on the context,
+    which random tiny models make a strong guess, and drifts away); the base distribution carries
+    more information per position and keeps held-out accuracy up. A wrong teacher index would
+    make the soft target worse than the hard one."""
+    base, ex, _ = distilled
+    kw = dict(steps=300, lr=3e-3, checkpoint_every=10**9, draft_vocab_size=0, heldout_fraction=0.2, batch_size=64)
+    hard = train_drafter(base, ex, tmp_path / "hard", soft_weight=0.0, **kw)
+    soft = train_drafter(base, ex, tmp_path / "soft", soft_weight=1.0, **kw)
+    assert soft["heldout"] == "whole prompts" and soft["soft_weight"] == 1.0
+    assert 0 < soft["heldout_examples"] < len(ex.ctx_idx) / 2
+    h, s = hard["heldout_top1_accuracy_per_position"], soft["heldout_top1_accuracy_per_position"]
+    assert all(a > b + 0.15 for a, b in zip(s, h)), (h, s)
