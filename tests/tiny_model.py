@@ -64,7 +64,8 @@ def make_trained_tiny_drafter_dir(model_dir: str | Path, path: str | Path, seed:
                                   num_prompts: int = 256, response_len: int = 32, steps: int = 800) -> Path:
     """Train a ``shared`` ReDrafter head on the model's own greedy responses with the real
     self-distillation code (``distill_data.generate_dataset``, ``train.load_examples``,
-    ``train.train_drafter``) and save it to ``path``.
+    ``train.train_drafter``, the base model's distribution as target as for the committed
+    drafter) and save it to ``path``.
 
     Prompts are random token ids (lengths 1..30, special ids 0-2 excluded); shards go to
     ``path/shards``.
@@ -84,5 +85,6 @@ def make_trained_tiny_drafter_dir(model_dir: str | Path, path: str | Path, seed:
     shards = path / "shards"
     generate_dataset(base, prompts, shards, response_len, batch_size=32, eos_ids=set(base.config.eos_token_id))
     examples = load_examples(shards, draft_len=4)
-    train_drafter(base, examples, path, steps=steps, batch_size=64, lr=3e-3, checkpoint_every=10**9, seed=seed)
+    train_drafter(base, examples, path, steps=steps, batch_size=64, lr=3e-3, checkpoint_every=10**9, seed=seed,
+                  soft_weight=1.0)
     return path

@@ -58,7 +58,7 @@ def train(
     num_draft_layers: int = typer.Option(2, help="Residual blocks in the draft head."),
     head_type: str = typer.Option("shared", help="'shared' (2H->H projection + base LM head) or 'full' (Apple's 2H->V)."),
     draft_len: int = typer.Option(4, help="Drafted positions trained per example (K)."),
-    soft_weight: float = typer.Option(0.0, help="Weight of the base model's distribution as a target (0: its greedy tokens only, 1: distribution only)."),
+    soft_weight: float = typer.Option(1.0, help="Weight of the base model's distribution as a target (0: its greedy tokens only, 1: distribution only, as the committed drafter).", min=0.0, max=1.0),
     draft_vocab_size: int = typer.Option(8192, help="Draft only the most frequent tokens of the training targets (0: whole vocabulary)."),
     eval_prompts: int = typer.Option(24, help="Held-out prompts for the final tokens-per-step report (0: skip)."),
     num_beams: int = typer.Option(4, help="Beam shape for the held-out report."),
