@@ -75,3 +75,12 @@ def test_generate_single_chat_prompt_as_text(tiny_config_path):
 def test_generate_needs_exactly_one_prompt_source(tiny_config_path):
     result = runner.invoke(app, ["generate", "--config", str(tiny_config_path), "--max-tokens", "8"])
     assert result.exit_code == 2 and "--prompt" in result.output
+
+
+@pytest.mark.parametrize("args, option", [(["--gen-dtype", "float16"], "--gen-dtype"),
+                                          (["--soft-weight", "2"], "--soft-weight"),
+                                          (["--soft-weight", "-1"], "--soft-weight")])
+def test_drafter_train_rejects_bad_options_before_any_work(tmp_path, args, option):
+    result = runner.invoke(app, ["drafter", "train", "--out", str(tmp_path / "d"), *args])
+    assert result.exit_code == 2 and option in result.output
+    assert not (tmp_path / "d").exists()

@@ -66,6 +66,8 @@ def train(
 ) -> None:
     """Self-distillation: the base model answers the prompts (greedy), and the drafter learns to
     predict its next tokens from its hidden states. Every stage resumes where it stopped."""
+    if gen_dtype not in ("float32", "bfloat16"):
+        raise typer.BadParameter(f"must be float32 or bfloat16, got {gen_dtype!r}", param_hint="--gen-dtype")
     import torch
 
     from workers.engine import Engine
@@ -98,8 +100,6 @@ def train(
     eos = set(base.config.eos_token_id) | ({tok.eos_token_id} if tok.eos_token_id is not None else set())
     data = data_dir or out / "data"
     console.print(f"[bold]1/3[/] generating responses for {len(train_rows)} prompts into {data}")
-    if gen_dtype not in ("float32", "bfloat16"):
-        raise typer.BadParameter("--gen-dtype must be float32 or bfloat16")
     gen_model = base if gen_dtype == "float32" else load_model(model_dir, dtype=getattr(torch, gen_dtype))
     generate_dataset(gen_model, train_rows, data, max_new_tokens, gen_batch_size, eos)
     if extra_prompts > 0:
