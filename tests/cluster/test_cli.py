@@ -79,8 +79,24 @@ def test_generate_needs_exactly_one_prompt_source(tiny_config_path):
 
 @pytest.mark.parametrize("args, option", [(["--gen-dtype", "float16"], "--gen-dtype"),
                                           (["--soft-weight", "2"], "--soft-weight"),
-                                          (["--soft-weight", "-1"], "--soft-weight")])
+                                          (["--soft-weight", "-1"], "--soft-weight"),
+                                          (["--head-type", "bogus"], "--head-type"), (["--steps", "0"], "--steps"),
+                                          (["--lr", "0"], "--lr"), (["--num-beams", "0"], "--num-beams")])
 def test_drafter_train_rejects_bad_options_before_any_work(tmp_path, args, option):
     result = runner.invoke(app, ["drafter", "train", "--out", str(tmp_path / "d"), *args])
     assert result.exit_code == 2 and option in result.output
     assert not (tmp_path / "d").exists()
+
+
+def test_drafter_data_dir_refuses_other_generation_settings(tmp_path):
+    """Shards are reused on re-runs, so a data dir remembers how its data was generated."""
+    from workers.training.cli import _check_data_settings
+
+    settings = {"model": "/m", "max_new_tokens": 16, "gen_dtype": "bfloat16", "max_prompt_tokens": 400}
+    _check_data_settings(tmp_path, settings)
+    _check_data_settings(tmp_path, settings)  # same settings: fine (resume)
+    with pytest.raises(typer.BadParameter, match="max_new_tokens=16") as err:
+        _check_data_settings(tmp_path, {**settings, "max_new_tokens": 32})
+    assert err.value.param_hint == "--max-new-tokens"
+    with pytest.raises(typer.BadParameter, match="gen_dtype='bfloat16'"):
+        _check_data_settings(tmp_path, {**settings, "gen_dtype": "float32"})

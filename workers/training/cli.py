@@ -39,35 +39,54 @@ def _balanced(rows: list[dict], n: int) -> list[dict]:
     return out
 
 
+def _check_data_settings(data: Path, settings: dict) -> None:
+    """Shards in ``data`` are reused on a re-run, so they must come from the same generation
+    settings: record them on first use, refuse a different setting naming its option."""
+    path = data / "generation.json"
+    if path.is_file():
+        old = json.loads(path.read_text())
+        for key, value in settings.items():
+            if key in old and old[key] != value:
+                raise typer.BadParameter(
+                    f"{data} holds data generated with {key}={old[key]!r}, not {value!r}; "
+                    "use another --data-dir or the same setting", param_hint=f"--{key.replace('_', '-')}")
+    data.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(settings, indent=2) + "\n")
+
+
 @drafter_app.command("train")
 def train(
     out: Path = typer.Option(..., help="Output directory for the drafter (config.json, model.safetensors, report)."),
     model: Optional[Path] = typer.Option(None, help="Base model HF directory; default: SmolLM2-135M-Instruct from the cache."),
     prompts: Optional[Path] = typer.Option(None, help="JSONL prompts ('prompt' or 'messages', optional 'category'). Default: built-in sources."),
-    datasets_dir: Optional[Path] = typer.Option(None, help="Directory with gsm8k/ and humaneval/ subsets for the built-in sources."),
+    datasets_dir: Optional[Path] = typer.Option(None, help="Directory with gsm8k/ and humaneval/ subsets for the built-in sources; without it the built-in prompts have no GSM8K math and HumanEval code."),
     data_dir: Optional[Path] = typer.Option(None, help="Where generated self-distillation shards go (resumable). Default: OUT/data."),
-    max_prompts: int = typer.Option(0, help="Use only the first N training prompts (0: all)."),
-    max_prompt_tokens: int = typer.Option(400, help="Skip prompts longer than this (tokens)."),
-    max_new_tokens: int = typer.Option(256, help="Response length cap for data generation (tokens)."),
-    gen_batch_size: int = typer.Option(48, help="Sequences decoded together during data generation."),
-    gen_dtype: str = typer.Option("float32", help="Base-model dtype for data generation: float32 or bfloat16 (about 2x faster on AMX CPUs; responses can differ from float32 greedy ones late in a sequence)."),
-    extra_prompts: int = typer.Option(0, help="Also generate data for up to N training prompts of the extra sources (workers/training/extra_prompts.py), into DATA/extra."),
-    steps: int = typer.Option(3000, help="Optimizer steps."),
-    batch_size: int = typer.Option(128, help="Training examples per step."),
+    max_prompts: int = typer.Option(0, help="Use only the first N training prompts (0: all).", min=0),
+    max_prompt_tokens: int = typer.Option(400, help="Skip prompts longer than this (tokens).", min=1),
+    max_new_tokens: int = typer.Option(256, help="Response length cap for data generation (tokens).", min=2),
+    gen_batch_size: int = typer.Option(48, help="Sequences decoded together during data generation.", min=1),
+    gen_dtype: str = typer.Option("float32", help="Base-model dtype for data generation: float32 or bfloat16 (about 2x faster on AMX CPUs; responses can differ from float32 greedy ones late in a sequence).", metavar="[float32|bfloat16]"),
+    extra_prompts: int = typer.Option(0, help="Also generate data for up to N training prompts from rdserve's extra built-in sources (more chat instructions, template math word problems, Python standard-library functions), into DATA/extra.", min=0),
+    steps: int = typer.Option(3000, help="Optimizer steps.", min=1),
+    batch_size: int = typer.Option(128, help="Training examples per step.", min=1),
     lr: float = typer.Option(1e-3, help="Peak AdamW learning rate (cosine decay)."),
-    num_draft_layers: int = typer.Option(2, help="Residual blocks in the draft head."),
-    head_type: str = typer.Option("shared", help="'shared' (2H->H projection + base LM head) or 'full' (Apple's 2H->V)."),
-    draft_len: int = typer.Option(4, help="Drafted positions trained per example (K)."),
-    soft_weight: float = typer.Option(1.0, help="Weight of the base model's distribution as a target (0: its greedy tokens only, 1: distribution only, as the committed drafter).", min=0.0, max=1.0),
-    draft_vocab_size: int = typer.Option(8192, help="Draft only the most frequent tokens of the training targets (0: whole vocabulary)."),
-    eval_prompts: int = typer.Option(24, help="Held-out prompts for the final tokens-per-step report (0: skip)."),
-    num_beams: int = typer.Option(4, help="Beam shape for the held-out report."),
-    draft_len_per_beam: int = typer.Option(4, help="Beam shape for the held-out report."),
+    num_draft_layers: int = typer.Option(2, help="Residual blocks in the draft head.", min=0),
+    head_type: str = typer.Option("shared", help="'shared': a 2H->H projection followed by the base model's LM head (small); 'full': a 2H->vocabulary output layer, the layout of Apple's ml-recurrent-drafter checkpoints.", metavar="[shared|full]"),
+    draft_len: int = typer.Option(4, help="Drafted positions trained per example (K).", min=1),
+    soft_weight: float = typer.Option(1.0, help="Weight of the base model's distribution as a target (0: its greedy tokens only, 1: its distribution only; the committed SmolLM2 drafter used 1).", min=0.0, max=1.0),
+    draft_vocab_size: int = typer.Option(8192, help="Draft only the most frequent tokens of the training targets (0: whole vocabulary).", min=0),
+    eval_prompts: int = typer.Option(24, help="Held-out prompts for the final tokens-per-step report (0: skip).", min=0),
+    num_beams: int = typer.Option(4, help="Beams drafted per step in the held-out report.", min=1),
+    draft_len_per_beam: int = typer.Option(4, help="Tokens drafted per beam in the held-out report.", min=1),
 ) -> None:
     """Self-distillation: the base model answers the prompts (greedy), and the drafter learns to
     predict its next tokens from its hidden states. Every stage resumes where it stopped."""
     if gen_dtype not in ("float32", "bfloat16"):
         raise typer.BadParameter(f"must be float32 or bfloat16, got {gen_dtype!r}", param_hint="--gen-dtype")
+    if head_type not in ("shared", "full"):
+        raise typer.BadParameter(f"must be shared or full, got {head_type!r}", param_hint="--head-type")
+    if lr <= 0:
+        raise typer.BadParameter(f"must be > 0, got {lr}", param_hint="--lr")
     import torch
 
     from workers.engine import Engine
@@ -99,7 +118,10 @@ def train(
         train_rows = train_rows[:max_prompts]
     eos = set(base.config.eos_token_id) | ({tok.eos_token_id} if tok.eos_token_id is not None else set())
     data = data_dir or out / "data"
-    console.print(f"[bold]1/3[/] generating responses for {len(train_rows)} prompts into {data}")
+    settings = {"model": str(Path(model_dir).resolve()), "max_new_tokens": max_new_tokens, "gen_dtype": gen_dtype,
+                "max_prompt_tokens": max_prompt_tokens}
+    _check_data_settings(data, settings)
+    console.print(f"[bold]1/3[/] self-distillation data for {len(train_rows)} prompts in {data} (existing shards are kept)")
     gen_model = base if gen_dtype == "float32" else load_model(model_dir, dtype=getattr(torch, gen_dtype))
     generate_dataset(gen_model, train_rows, data, max_new_tokens, gen_batch_size, eos)
     if extra_prompts > 0:
@@ -107,7 +129,7 @@ def train(
         for r in extra:
             r["prompt_ids"] = apply_chat_template(tok, r["messages"])
         extra = [r for r in extra if len(r["prompt_ids"]) <= max_prompt_tokens][:extra_prompts]
-        console.print(f"[bold]1/3[/] generating responses for {len(extra)} extra prompts into {data / 'extra'}")
+        console.print(f"[bold]1/3[/] self-distillation data for {len(extra)} extra prompts in {data / 'extra'}")
         generate_dataset(gen_model, extra, data / "extra", max_new_tokens, gen_batch_size, eos)
     del gen_model
     console.print("[bold]2/3[/] training")
@@ -115,6 +137,8 @@ def train(
     report = train_drafter(base, examples, out, num_draft_layers=num_draft_layers, head_type=head_type,
                            steps=steps, batch_size=batch_size, lr=lr,
                            draft_vocab_size=draft_vocab_size, soft_weight=soft_weight)
+    report["data"] = {**settings, "dir": str(data)}
+    (out / "train_report.json").write_text(json.dumps(report, indent=2) + "\n")
     if eval_prompts > 0 and held_rows:
         console.print(f"[bold]3/3[/] held-out tokens per step on up to {eval_prompts} prompts")
         del base
