@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
 
 from workers.sampling import SamplingParams
 
@@ -105,7 +105,11 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _GenerationRequest(BaseModel):
+# One optional field per unsupported name, so a rejection names the field (``_not_implemented``).
+_UnsupportedFields = create_model("_UnsupportedFields", **{name: (Any, None) for name in UNSUPPORTED})
+
+
+class _GenerationRequest(_UnsupportedFields):
     model_config = ConfigDict(extra="ignore", strict=True)
 
     model: str | None = None
@@ -120,19 +124,6 @@ class _GenerationRequest(BaseModel):
     n: int = 1
     ignore_eos: bool = False
     rdserve: RdserveOptions | None = None
-    logprobs: Any = None
-    top_logprobs: Any = None
-    echo: Any = None
-    best_of: Any = None
-    suffix: Any = None
-    presence_penalty: Any = None
-    frequency_penalty: Any = None
-    logit_bias: Any = None
-    tools: Any = None
-    tool_choice: Any = None
-    functions: Any = None
-    function_call: Any = None
-    response_format: Any = None
 
     @field_validator(*UNSUPPORTED)
     @classmethod

@@ -18,7 +18,7 @@ import importlib
 import inspect
 import random
 
-from workers.training.prompt_sources import TOPICS, _chat
+from workers.training.prompt_sources import CHAT_TEMPLATES, TOPICS, _chat
 
 EXTRA_CHAT_TEMPLATES = [
     "Write a persuasive paragraph about why people should care about {t}.",
@@ -83,13 +83,10 @@ MATH_TEMPLATES = [
 
 def extra_chat_prompts() -> list[dict]:
     templates = EXTRA_CHAT_TEMPLATES
-    topics = TOPICS + EXTRA_TOPICS
     out = [_chat(t.format(t=topic), "chat") for t in templates for topic in EXTRA_TOPICS]
     # Old templates with new topics as well (held-out chat prompts are old template x old topic).
-    from workers.training.prompt_sources import CHAT_TEMPLATES
-
     out += [_chat(t.format(t=topic), "chat") for t in CHAT_TEMPLATES for topic in EXTRA_TOPICS]
-    out += [_chat(t.format(t=topic), "chat") for t in templates for topic in topics[: len(TOPICS)]]
+    out += [_chat(t.format(t=topic), "chat") for t in templates for topic in TOPICS]
     return out
 
 
