@@ -10,18 +10,27 @@ from __future__ import annotations
 import torch
 
 from workers.forward_batch import ForwardBatch
+from workers.kernels.packed_linear import pack_linears
 from workers.models.llama import LlamaForCausalLM
+from workers.models.loader import use_input_major_weights
 
 
 class LocalExecutor:
-    """One model and its KV cache of ``num_slots`` slots (plus a trash slot) in this process."""
+    """One model and its KV cache of ``num_slots`` slots (plus a trash slot) in this process.
+
+    A float32 CPU model's linear layers are swapped in place for the packed kernels
+    (:func:`workers.kernels.packed_linear.pack_linears`), or given the input-major layout where
+    those are unavailable.
+    """
 
     def __init__(self, model: LlamaForCausalLM, num_slots: int):
         self.model = model
         self.config = model.config
-        self.cache = model.new_cache(num_slots)
         self.device = model.lm_head.weight.device
         self.dtype = model.lm_head.weight.dtype
+        if self.device.type == "cpu" and self.dtype == torch.float32 and not pack_linears(model):
+            use_input_major_weights(model)
+        self.cache = model.new_cache(num_slots)
 
     @property
     def trash_slot(self) -> int:

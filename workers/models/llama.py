@@ -150,6 +150,6 @@ class LlamaForCausalLM(torch.nn.Module):
     def new_cache(self, num_slots: int) -> KVCache:
         """A KV cache of ``num_slots`` slots (plus the trash slot) in the model's dtype and device."""
         cfg = self.config
-        p = self.lm_head.weight
+        p = self.model.embed_tokens.weight
         n_kv = self.model.layers[0].self_attn.n_kv if cfg.num_hidden_layers else cfg.num_key_value_heads
         return KVCache(cfg.num_hidden_layers, num_slots, n_kv, cfg.head_size, p.dtype, p.device)

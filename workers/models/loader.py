@@ -81,19 +81,16 @@ def load_model(
     model.model.rotary = type(model.model.rotary)(
         cfg.head_size, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
     )
-    model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
-    if torch.device(device).type == "cpu" and dtype == torch.float32:
-        use_input_major_weights(model)  # bfloat16 runs on oneDNN/AMX, which prefers the row-major layout
-    return model
+    return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
 
 
 def use_input_major_weights(module: torch.nn.Module) -> None:
     """Store every Linear weight ``[out, in]`` with input-major strides (a transposed view of an
     ``[in, out]`` contiguous tensor).
 
-    Values are unchanged; on CPU, MKL's GEMM for the small row counts of decoding and tree
-    verification (2-16 rows) runs up to 2x faster with this layout (measured in
-    ``benchmarks/linear_layout.py``).
+    Values are unchanged; on CPU, MKL's float32 GEMM for one row and for 4-16 rows runs faster
+    with this layout (``benchmarks/linear_layout.py``). The engine uses it only where the packed
+    kernels (:mod:`workers.kernels.packed_linear`) are unavailable.
     """
     for m in module.modules():
         if isinstance(m, torch.nn.Linear) and m.weight.is_contiguous():

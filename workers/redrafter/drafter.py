@@ -81,6 +81,7 @@ class ReDrafter(torch.nn.Module):
         self.lm_head = torch.nn.Sequential(*blocks)
         self.draft_vocab: torch.Tensor | None = None
         self._draft_head: torch.Tensor | None = None
+        self._packed_head = None  # inference only (pack_for_cpu); a plain attribute, not a submodule
 
     def restrict_vocab(self, token_ids: torch.Tensor | None) -> None:
         """Draft only from ``token_ids`` (``[Vd] long``), or from the whole vocabulary with ``None``.
@@ -92,11 +93,12 @@ class ReDrafter(torch.nn.Module):
         back through ``draft_vocab``.
         """
         if token_ids is None:
-            self.draft_vocab, self._draft_head = None, None
+            self.draft_vocab, self._draft_head, self._packed_head = None, None, None
             return
         full = self.base_lm_head if self.config.head_type == "shared" else self.lm_head[-1].weight
         self.draft_vocab = token_ids.to(full.device)
         self._draft_head = full[self.draft_vocab].t().contiguous().t()
+        self._packed_head = None
 
     def step_state(self, prev_state: torch.Tensor, token_embeds: torch.Tensor) -> torch.Tensor:
         """RNN update ``[..., H], [..., H] -> [..., H]`` (Sec. 3.1)."""
@@ -109,6 +111,8 @@ class ReDrafter(torch.nn.Module):
             x = self.lm_head[: self.config.num_draft_layers](x)
             if self.config.head_type == "shared":
                 x = self.out_proj(x)
+            if self._packed_head is not None:
+                return self._packed_head(x).float()
             return F.linear(x, self._draft_head).float()
         x = self.lm_head(x)
         if self.config.head_type == "shared":
@@ -140,6 +144,20 @@ class ReDrafter(torch.nn.Module):
         save_file(state, str(path / "model.safetensors"))
         if self.draft_vocab is not None:
             (path / DRAFT_VOCAB_FILE).write_text(json.dumps(self.draft_vocab.tolist()) + "\n")
+
+
+def pack_for_cpu(drafter: ReDrafter) -> None:
+    """Inference on a float32 CPU drafter: its linear layers and draft-vocabulary head run on the
+    packed kernels (:mod:`workers.kernels.packed_linear`; no autograd), or get the input-major
+    layout where those are unavailable."""
+    from workers.kernels.packed_linear import PackedLinear, pack_linears
+    from workers.models.loader import use_input_major_weights
+
+    if pack_linears(drafter):
+        if drafter._draft_head is not None:
+            object.__setattr__(drafter, "_packed_head", PackedLinear.from_weight(drafter._draft_head.contiguous()))
+    else:
+        use_input_major_weights(drafter)
 
 
 def load_drafter(
@@ -176,11 +194,9 @@ def load_drafter(
         state.update(load_file(str(f)))
     drafter.load_state_dict(state, strict=True)
     drafter = drafter.to(device=device, dtype=dtype).eval().requires_grad_(False)
-    if torch.device(device).type == "cpu":
-        from workers.models.loader import use_input_major_weights
-
-        use_input_major_weights(drafter)
     vocab_file = path / DRAFT_VOCAB_FILE
     if use_draft_vocab and vocab_file.is_file():
         drafter.restrict_vocab(torch.tensor(json.loads(vocab_file.read_text()), dtype=torch.long))
+    if torch.device(device).type == "cpu" and dtype == torch.float32:
+        pack_for_cpu(drafter)
     return drafter

@@ -11,6 +11,7 @@ import torch
 
 from workers.forward_batch import ForwardBatch
 from workers.models.llama import LlamaForCausalLM
+from workers.kernels.packed_linear import pack_linears
 from workers.models.loader import use_input_major_weights
 from workers.tp.comm import Communicator
 from workers.tp.layers import shard_model
@@ -26,7 +27,8 @@ class ShardWorker:
 
     def __init__(self, model: LlamaForCausalLM, num_slots: int, comm: Communicator):
         shard_model(model, comm)
-        if model.lm_head.weight.device.type == "cpu":
+        w = model.lm_head.weight
+        if w.device.type == "cpu" and w.dtype == torch.float32 and not pack_linears(model):
             use_input_major_weights(model)
         self.model, self.comm = model, comm
         self.cache = model.new_cache(num_slots)

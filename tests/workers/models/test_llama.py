@@ -2,7 +2,8 @@
 
 Logits must agree (max abs difference < 1e-4) over ~300 positions, in one prefill and token by
 token through the KV cache: on the tiny test models, a Qwen2-style model (q/k/v biases), a model with
-``llama3`` RoPE scaling, and (slow) the default SmolLM2-135M-Instruct.
+``llama3`` RoPE scaling, and (slow) the default SmolLM2-135M-Instruct. Each with torch's linear
+layers and with the packed CPU kernels the engine uses (``workers/kernels``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import torch
 import transformers
 
 from workers.forward_batch import contiguous_batch
+from workers.kernels import build
+from workers.kernels.packed_linear import pack_linears
 from workers.models.loader import load_model
 
 TOL = 1e-4
@@ -44,7 +47,14 @@ def reference_logits(model_dir: Path, hf_class, ids: list[int]) -> torch.Tensor:
 
 
 def assert_parity(model_dir: Path, hf_class, num_positions: int = NUM_POSITIONS, decode: bool = True) -> None:
-    ours = load_model(model_dir)
+    assert_parity_of(load_model(model_dir), model_dir, hf_class, num_positions, decode)
+    if build.available():
+        packed = load_model(model_dir)
+        assert pack_linears(packed) > 0
+        assert_parity_of(packed, model_dir, hf_class, num_positions, decode)
+
+
+def assert_parity_of(ours, model_dir: Path, hf_class, num_positions: int, decode: bool) -> None:
     vocab = ours.config.vocab_size
     ids = torch.randint(3, vocab, (num_positions,), generator=torch.Generator().manual_seed(0)).tolist()
     want = reference_logits(model_dir, hf_class, ids)

@@ -1,0 +1,81 @@
+"""Cost of SmolLM2-135M's linear layers per decoding step, by row count (1 = plain decoding at
+batch 1; 3-33 = ReDrafter trees and batches): torch's float32 GEMM with the row-major and the
+input-major weight layout, our packed float32 kernel (``workers/kernels``), and torch bfloat16.
+
+One step = the 30 layers' qkv, o, gate_up and down projections plus the LM head. Random weights of
+the real shapes. The variants run interleaved, round after round, and the median over rounds is
+kept, so a noisy neighbour on the VM slows all of them alike.
+
+Usage: python benchmarks/linear_kernels.py [--rows 1,2,3,5,9,17,33,64] [--rounds 9]
+(prints a Markdown table, writes benchmarks/results/linear_kernels.json)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from workers.kernels.packed_linear import PackedLinear
+
+HIDDEN, INTER, VOCAB, LAYERS = 576, 1536, 49152, 30
+SHAPES = [(960, HIDDEN), (HIDDEN, HIDDEN), (2 * INTER, HIDDEN), (HIDDEN, INTER)]
+
+
+def step_fns(dtype: torch.dtype) -> dict[str, list]:
+    """Per variant, the list of ``x -> y`` layer functions of one step (layers, then LM head)."""
+    weights = [torch.randn(o, i, dtype=dtype) / i**0.5 for _ in range(LAYERS) for o, i in SHAPES]
+    weights.append(torch.randn(VOCAB, HIDDEN, dtype=dtype))
+    if dtype == torch.bfloat16:
+        return {"torch bfloat16": [lambda x, w=w: F.linear(x, w) for w in weights]}
+    input_major = [w.t().contiguous().t() for w in weights]
+    packed = [PackedLinear.from_weight(w) for w in weights]
+    return {
+        "torch float32 row-major": [lambda x, w=w: F.linear(x, w) for w in weights],
+        "torch float32 input-major": [lambda x, w=w: F.linear(x, w) for w in input_major],
+        "packed float32": packed,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rows", default="1,2,3,5,9,17,33,64")
+    ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--out", default="benchmarks/results/linear_kernels.json")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    rows = [int(r) for r in args.rows.split(",")]
+    variants = {**step_fns(torch.float32), **step_fns(torch.bfloat16)}
+    times: dict[tuple[str, int], list[float]] = {}
+    with torch.inference_mode():
+        inputs = {(m, dt): {i: torch.randn(m, i, dtype=dt) for i in (HIDDEN, INTER)}
+                  for m in rows for dt in (torch.float32, torch.bfloat16)}
+        for r in range(args.rounds + 1):  # round 0 warms up
+            for m in rows:
+                for name, fns in variants.items():
+                    x = inputs[(m, torch.bfloat16 if "bfloat16" in name else torch.float32)]
+                    t0 = time.perf_counter()
+                    for fn, (o, i) in zip(fns, [s for _ in range(LAYERS) for s in SHAPES] + [(VOCAB, HIDDEN)]):
+                        fn(x[i])
+                    if r:
+                        times.setdefault((name, m), []).append((time.perf_counter() - t0) * 1e3)
+    names = list(variants)
+    results = [{"variant": n, "rows": m, "step_ms": statistics.median(times[(n, m)])} for m in rows for n in names]
+    lines = [f"threads {args.threads}, median of {args.rounds} interleaved rounds, ms per step (30 layers + LM head)", "",
+             "| rows | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+    for m in rows:
+        lines.append(f"| {m} | " + " | ".join(f"{statistics.median(times[(n, m)]):.1f}" for n in names) + " |")
+    print("\n".join(lines))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"threads": args.threads, "rounds": args.rounds, "results": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,130 @@
+"""The packed float32 CPU kernel (workers/kernels): values, row independence, module swapping,
+and how it falls back."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from workers.kernels import build
+from workers.kernels.packed_linear import PackedLinear, pack_linears, pack_weight, unpack_weight
+
+needs_kernel = pytest.mark.skipif(not build.available(), reason="no C compiler for the CPU kernels")
+
+
+@needs_kernel
+@pytest.mark.parametrize("n,k,bias", [(64, 32, False), (100, 37, True), (960, 576, False), (7, 1536, True), (130, 1, False)])
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 6, 7, 13, 40])
+def test_matches_torch_linear(n, k, bias, m):
+    g = torch.Generator().manual_seed(n * 1000 + k + m)
+    lin = torch.nn.Linear(k, n, bias=bias)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(n, k, generator=g) / k**0.5)
+        if bias:
+            lin.bias.copy_(torch.randn(n, generator=g))
+    x = torch.randn(m, k, generator=g)
+    want = F.linear(x.double(), lin.weight.double(), None if lin.bias is None else lin.bias.double())
+    got = PackedLinear(lin)(x)
+    assert got.shape == (m, n) and got.dtype == torch.float32
+    assert (got.double() - want).abs().max() < 1e-5 * max(1.0, k**0.5)
+
+
+@needs_kernel
+def test_each_row_is_independent_of_the_others():
+    """Bit-identical rows for any batch: what makes greedy speculative decoding reproduce plain
+    decoding exactly (a 1-row plain step and a 9-row tree compute the same values)."""
+    g = torch.Generator().manual_seed(1)
+    lin = PackedLinear(torch.nn.Linear(576, 3072 + 40, bias=True))
+    x = torch.randn(17, 576, generator=g)
+    together = lin(x)
+    for i in range(17):
+        assert torch.equal(lin(x[i : i + 1])[0], together[i])
+    assert torch.equal(lin(x[3:12]), together[3:12])
+
+
+@needs_kernel
+def test_leading_dims_and_non_contiguous_input():
+    lin = torch.nn.Linear(48, 70)
+    packed = PackedLinear(lin)
+    x = torch.randn(3, 4, 96)[..., ::2]
+    assert torch.allclose(packed(x), lin(x), atol=1e-5)
+    assert packed(torch.randn(0, 48)).shape == (0, 70)
+
+
+def test_pack_unpack_round_trip():
+    w = torch.randn(130, 37)
+    panels = pack_weight(w)
+    assert panels.shape == (5, 37, 32)
+    assert torch.equal(unpack_weight(panels, 130), w)
+    assert torch.equal(panels[4, :, 2:], torch.zeros(37, 30))  # padding rows are zero
+
+
+@needs_kernel
+def test_rejects_other_dtypes():
+    with pytest.raises(ValueError, match="float32 CPU weight"):
+        PackedLinear(torch.nn.Linear(8, 8).bfloat16())
+    with pytest.raises(ValueError, match="float32 CPU input"):
+        PackedLinear(torch.nn.Linear(8, 8))(torch.randn(2, 8, dtype=torch.float64))
+
+
+class _Tied(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(50, 16)
+        self.proj = torch.nn.Linear(16, 16)
+        self.sub = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 16).bfloat16())
+        self.head = torch.nn.Linear(16, 50, bias=False)
+        self.head.weight = self.embed.weight
+
+
+class _Subclass(torch.nn.Linear):
+    pass
+
+
+@needs_kernel
+def test_pack_linears_swaps_float32_linears_and_keeps_tied_weights():
+    m = _Tied()
+    m.other = _Subclass(16, 16)
+    proj_w = m.proj.weight.detach().clone()
+    assert pack_linears(m) == 3  # proj, sub.0, head; not the bfloat16 one, not the subclass
+    assert isinstance(m.proj, PackedLinear) and isinstance(m.sub[0], PackedLinear) and isinstance(m.head, PackedLinear)
+    assert type(m.sub[1]) is torch.nn.Linear and type(m.other) is _Subclass
+    assert m.head.weight is m.embed.weight  # the tied weight is kept, not copied
+    assert torch.equal(m.proj.weight, proj_w)  # freed dense weight: unpacked on access
+    x = torch.randn(5, 16)
+    assert torch.allclose(m.head(x), F.linear(x, m.embed.weight), atol=1e-5)
+
+
+def test_disabled_by_environment(monkeypatch):
+    monkeypatch.setenv("RDSERVE_CPU_KERNELS", "0")
+    with pytest.raises(build.KernelUnavailable, match="RDSERVE_CPU_KERNELS"):
+        build.load()
+    m = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    assert pack_linears(m) == 0 and type(m[0]) is torch.nn.Linear
+
+
+def test_missing_compiler_is_a_clear_error(monkeypatch, tmp_path):
+    monkeypatch.setenv("RDSERVE_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", "no-such-compiler-rdserve")
+    with pytest.raises(build.KernelUnavailable, match="no-such-compiler-rdserve"):
+        build.build()
+
+
+@needs_kernel
+def test_build_is_cached_per_source(monkeypatch, tmp_path):
+    monkeypatch.setenv("RDSERVE_CACHE", str(tmp_path))
+    path = build.build()
+    assert path.is_file() and path.parent == tmp_path / "kernels"
+    mtime = path.stat().st_mtime_ns
+    assert build.build() == path and path.stat().st_mtime_ns == mtime
+
+
+@needs_kernel
+def test_state_dict_is_unchanged_by_packing():
+    m = torch.nn.Sequential(torch.nn.Linear(16, 40), torch.nn.Linear(40, 8, bias=False))
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    pack_linears(m)
+    after = m.state_dict()
+    assert after.keys() == before.keys()
+    assert all(torch.equal(after[k], before[k]) for k in before)

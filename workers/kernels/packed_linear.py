@@ -1,0 +1,110 @@
+"""``torch.nn.Linear`` with panel-packed float32 weights for CPU decoding (see ``packed_gemm.c``).
+
+Decoding streams every weight from memory once per step. For the 2-33 rows of a batched step or a
+ReDrafter tree, torch's CPU GEMM costs up to 2x its single-row cost on our machines; the packed
+kernel keeps it close to one weight pass (``benchmarks/linear_kernels.py``). It also makes each
+row's result independent of the other rows, so greedy speculative decoding reproduces plain
+decoding bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from workers.kernels import build
+
+PANEL = 32
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """``[N, K] float32`` -> panels ``[ceil(N / 32), K, 32]`` (``panels[p, k, j] = W[32 p + j, k]``,
+    zero rows pad the last panel)."""
+    n, k = weight.shape
+    padded = torch.nn.functional.pad(weight.detach(), (0, 0, 0, -n % PANEL))
+    return padded.view(-1, PANEL, k).transpose(1, 2).contiguous()
+
+
+def unpack_weight(panels: torch.Tensor, out_features: int) -> torch.Tensor:
+    """Inverse of :func:`pack_weight`: ``[P, K, 32]`` -> ``[out_features, K]`` (a new tensor)."""
+    return panels.transpose(1, 2).reshape(-1, panels.shape[1])[:out_features].contiguous()
+
+
+class PackedLinear(torch.nn.Module):
+    """Inference-only replacement of a float32 CPU ``nn.Linear``: ``[..., K] -> [..., N]``.
+
+    ``weight`` stays the original Parameter when it is shared with another module (a tied LM
+    head and input embedding) or ``keep_weight`` is set; otherwise the dense copy is freed and
+    ``weight`` returns an unpacked copy on access.
+    """
+
+    def __init__(self, linear: torch.nn.Linear, keep_weight: bool = False):
+        super().__init__()
+        w = linear.weight
+        if w.dtype != torch.float32 or w.device.type != "cpu":
+            raise ValueError(f"PackedLinear needs a float32 CPU weight, got {w.dtype} on {w.device}")
+        self.out_features, self.in_features = w.shape
+        self.register_buffer("panels", pack_weight(w), persistent=False)
+        self.bias = None if linear.bias is None else linear.bias.detach().contiguous()
+        self._weight = w if keep_weight else None
+        self._lib = build.load()
+
+    @classmethod
+    def from_weight(cls, weight: torch.Tensor) -> "PackedLinear":
+        """``x @ weight.T`` for a bare ``[N, K]`` weight (no bias); ``weight`` is not kept."""
+        holder = torch.nn.Module()
+        holder.weight, holder.bias = weight, None
+        return cls(holder)  # type: ignore[arg-type]
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self._weight if self._weight is not None else unpack_weight(self.panels, self.out_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32 or x.device.type != "cpu":
+            raise ValueError(f"PackedLinear takes float32 CPU input, got {x.dtype} on {x.device}")
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features).contiguous()
+        y = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)
+        if x2.shape[0]:
+            bias = 0 if self.bias is None else self.bias.data_ptr()
+            self._lib.rd_linear_packed(x2.data_ptr(), self.panels.data_ptr(), bias, y.data_ptr(),
+                                       x2.shape[0], self.in_features, self.out_features)
+        return y.view(*lead, self.out_features)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        """``state_dict()`` holds ``weight`` (and ``bias``) as for the ``nn.Linear`` it replaced."""
+        destination[prefix + "weight"] = self.weight.detach()
+        if self.bias is not None:
+            destination[prefix + "bias"] = self.bias
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def pack_linears(module: torch.nn.Module) -> int:
+    """Replace every float32 CPU ``nn.Linear`` (exactly that type: tensor-parallel subclasses keep
+    their own forward) inside ``module`` by a :class:`PackedLinear`; returns how many.
+
+    A weight shared with another parameter holder (tied embeddings) is kept. Does nothing (returns
+    0, after one logged warning) when the kernels are unavailable; see :mod:`workers.kernels.build`.
+    """
+    targets = [
+        (name, m) for name, m in module.named_modules()
+        if type(m) is torch.nn.Linear and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"
+    ]
+    if not targets or not build.available():
+        return 0
+    shared = _shared_parameters(module)
+    for name, m in targets:
+        parent_name, _, attr = name.rpartition(".")
+        parent = module.get_submodule(parent_name) if parent_name else module
+        setattr(parent, attr, PackedLinear(m, keep_weight=id(m.weight) in shared))
+    return len(targets)
+
+
+def _shared_parameters(module: torch.nn.Module) -> set[int]:
+    seen: dict[int, int] = {}
+    for _, m in module.named_modules(remove_duplicate=False):
+        for p in m.parameters(recurse=False):
+            seen[id(p)] = seen.get(id(p), 0) + 1
+    return {k for k, n in seen.items() if n > 1}
