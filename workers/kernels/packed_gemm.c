@@ -86,6 +86,38 @@ static void kernel_##MR(const float *x, long K, const float *wp, const float *bi
 KERNEL(1) KERNEL(2) KERNEL(3) KERNEL(4) KERNEL(5) KERNEL(6)
 KERNEL(7) KERNEL(8) KERNEL(9) KERNEL(10) KERNEL(11) KERNEL(12)
 
+
+#if defined(__AVX512F__)
+/* One row, GROUP panels side by side (GROUP weight streams per thread): plain decoding at batch 1.
+ * Same per-element rounding as kernel_1. */
+#define GROUP 3
+static void kernel_1_group(const float *x, long K, const float *wp, const float *bias, float *y, long nvalid) {
+    __m512 total[2 * GROUP];
+    for (int i = 0; i < 2 * GROUP; i++) total[i] = _mm512_setzero_ps();
+    for (long k0 = 0; k0 < K; k0 += KBLOCK) {
+        long k1 = k0 + KBLOCK < K ? k0 + KBLOCK : K;
+        __m512 acc[2 * GROUP];
+        for (int i = 0; i < 2 * GROUP; i++) acc[i] = _mm512_setzero_ps();
+        for (long k = k0; k < k1; k++) {
+            __m512 xv = _mm512_set1_ps(x[k]);
+            for (int g = 0; g < GROUP; g++) {
+                const float *wk = wp + g * K * PANEL + k * PANEL;
+                _mm_prefetch((const char *)(wk + PREFETCH_K * PANEL), _MM_HINT_T0);
+                _mm_prefetch((const char *)(wk + PREFETCH_K * PANEL) + 64, _MM_HINT_T0);
+                acc[2 * g] = _mm512_fmadd_ps(_mm512_loadu_ps(wk), xv, acc[2 * g]);
+                acc[2 * g + 1] = _mm512_fmadd_ps(_mm512_loadu_ps(wk + 16), xv, acc[2 * g + 1]);
+            }
+        }
+        for (int i = 0; i < 2 * GROUP; i++) total[i] = _mm512_add_ps(total[i], acc[i]);
+    }
+    float out[GROUP * PANEL];
+    for (int i = 0; i < 2 * GROUP; i++) _mm512_storeu_ps(out + 16 * i, total[i]);
+    if (bias)
+        for (long j = 0; j < nvalid; j++) out[j] += bias[j];
+    memcpy(y, out, (size_t)nvalid * sizeof(float));
+}
+#endif
+
 typedef void (*kernel_fn)(const float *, long, const float *, const float *, float *, long, long);
 static const kernel_fn KERNELS[ROWS + 1] = {NULL, kernel_1, kernel_2, kernel_3, kernel_4, kernel_5, kernel_6,
                                             kernel_7, kernel_8, kernel_9, kernel_10, kernel_11, kernel_12};
@@ -93,6 +125,17 @@ static const kernel_fn KERNELS[ROWS + 1] = {NULL, kernel_1, kernel_2, kernel_3, 
 /* x: [M, K] contiguous; wp: packed [ceil(N / 32)][K][32]; bias: [N] or NULL; y: [M, N] contiguous. */
 void rd_linear_packed(const float *x, const float *wp, const float *bias, float *y, long M, long K, long N) {
     long panels = (N + PANEL - 1) / PANEL;
+#if defined(__AVX512F__)
+    if (M == 1 && panels % GROUP == 0) {
+#pragma omp parallel for schedule(static)
+        for (long g = 0; g < panels / GROUP; g++) {
+            long n0 = g * GROUP * PANEL;
+            long nvalid = N - n0 < GROUP * PANEL ? N - n0 : GROUP * PANEL;
+            kernel_1_group(x, K, wp + g * GROUP * K * PANEL, bias ? bias + n0 : NULL, y + n0, nvalid);
+        }
+        return;
+    }
+#endif
 #pragma omp parallel for schedule(static)
     for (long p = 0; p < panels; p++) {
         long n0 = p * PANEL;
