@@ -148,3 +148,12 @@ void rd_linear_packed(const float *x, const float *wp, const float *bias, float 
 }
 
 int rd_panel_width(void) { return PANEL; }
+
+/* 1 when this build uses AVX-512 (the portable path is slower than torch's GEMM). */
+int rd_has_avx512(void) {
+#if defined(__AVX512F__)
+    return 1;
+#else
+    return 0;
+#endif
+}

@@ -46,7 +46,7 @@ class PackedLinear(torch.nn.Module):
         self.register_buffer("panels", pack_weight(w), persistent=False)
         self.bias = None if linear.bias is None else linear.bias.detach().contiguous()
         self._weight = w if keep_weight else None
-        self._lib = build.load()
+        build.load()  # fail here, not in the first forward
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor) -> "PackedLinear":
@@ -62,13 +62,16 @@ class PackedLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.float32 or x.device.type != "cpu":
             raise ValueError(f"PackedLinear takes float32 CPU input, got {x.dtype} on {x.device}")
+        panels, bias = self.panels, self.bias
+        if panels.dtype != torch.float32 or panels.device.type != "cpu" or not panels.is_contiguous() or (
+                bias is not None and (bias.dtype != torch.float32 or bias.device.type != "cpu")):
+            raise RuntimeError("PackedLinear weights were moved or cast (.to/.half/...); it is float32-CPU only")
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features).contiguous()
         y = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)
         if x2.shape[0]:
-            bias = 0 if self.bias is None else self.bias.data_ptr()
-            self._lib.rd_linear_packed(x2.data_ptr(), self.panels.data_ptr(), bias, y.data_ptr(),
-                                       x2.shape[0], self.in_features, self.out_features)
+            build.load().rd_linear_packed(x2.data_ptr(), panels.data_ptr(), 0 if bias is None else bias.data_ptr(),
+                                          y.data_ptr(), x2.shape[0], self.in_features, self.out_features)
         return y.view(*lead, self.out_features)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
@@ -76,6 +79,25 @@ class PackedLinear(torch.nn.Module):
         destination[prefix + "weight"] = self.weight.detach()
         if self.bias is not None:
             destination[prefix + "bias"] = self.bias
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        """Loads ``weight`` (and ``bias``) as an ``nn.Linear`` would, repacking them."""
+        for name in ("weight", "bias") if self.bias is not None else ("weight",):
+            if prefix + name not in state_dict:
+                missing_keys.append(prefix + name)
+        if prefix + "weight" in state_dict:
+            w = state_dict[prefix + "weight"].to(torch.float32)
+            if tuple(w.shape) != (self.out_features, self.in_features):
+                error_msgs.append(f"size mismatch for {prefix}weight: {tuple(w.shape)} vs "
+                                  f"{(self.out_features, self.in_features)}")
+                return
+            self.panels = pack_weight(w)
+            if self._weight is not None:
+                with torch.no_grad():
+                    self._weight.copy_(w)
+        if self.bias is not None and prefix + "bias" in state_dict:
+            self.bias = state_dict[prefix + "bias"].detach().to(torch.float32).contiguous()
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"

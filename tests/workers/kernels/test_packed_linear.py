@@ -130,3 +130,46 @@ def test_state_dict_is_unchanged_by_packing():
     after = m.state_dict()
     assert after.keys() == before.keys()
     assert all(torch.equal(after[k], before[k]) for k in before)
+
+
+@needs_kernel
+def test_state_dict_round_trip_and_copies():
+    import copy
+    import pickle
+
+    src = torch.nn.Sequential(torch.nn.Linear(16, 40), torch.nn.Linear(40, 8, bias=False))
+    dst = torch.nn.Sequential(torch.nn.Linear(16, 40), torch.nn.Linear(40, 8, bias=False))
+    pack_linears(src)
+    pack_linears(dst)
+    dst.load_state_dict(src.state_dict())
+    x = torch.randn(3, 16)
+    assert torch.equal(dst(x), src(x))
+    assert torch.equal(copy.deepcopy(src)(x), src(x))
+    assert torch.equal(pickle.loads(pickle.dumps(src))(x), src(x))
+
+
+@needs_kernel
+def test_cast_after_packing_is_refused():
+    m = torch.nn.Sequential(torch.nn.Linear(16, 40))
+    pack_linears(m)
+    m.to(torch.float64)
+    with pytest.raises(RuntimeError, match="moved or cast"):
+        m(torch.randn(2, 16))
+
+
+@needs_kernel
+def test_damaged_library_in_the_cache_is_rebuilt(monkeypatch, tmp_path):
+    monkeypatch.setenv("RDSERVE_CACHE", str(tmp_path))
+    path = build.build()
+    good = path.read_bytes()
+    path.write_bytes(good[: len(good) // 3])  # truncated: loading it would crash the process
+    assert build.build() == path and path.read_bytes() == good
+    path.write_bytes(b"")
+    assert build.build() == path and path.read_bytes() == good
+
+
+def test_compiler_that_writes_nothing_is_refused(monkeypatch, tmp_path):
+    monkeypatch.setenv("RDSERVE_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", "true")
+    with pytest.raises(build.KernelUnavailable, match="empty library"):
+        build.build()
