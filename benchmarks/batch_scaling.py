@@ -66,14 +66,17 @@ def main() -> None:
     ap.add_argument("--batch-sizes", default="1,2,4,8,16,32,64")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--dtype", help="override engine.dtype")
+    ap.add_argument("--num-beams", type=int, help="override engine.num_beams (the fixed spec shape)")
+    ap.add_argument("--draft-len-per-beam", type=int, help="override engine.draft_len_per_beam")
     ap.add_argument("--out", default="benchmarks/results/batch_scaling")
     args = ap.parse_args()
 
     batches = [int(b) for b in args.batch_sizes.split(",")]
     cfg = load_config(args.config)
     update = {"max_batch_size": max(batches), "spec_schedule": None}
-    if args.dtype:
-        update["dtype"] = args.dtype
+    for key in ("dtype", "num_beams", "draft_len_per_beam"):
+        if getattr(args, key):
+            update[key] = getattr(args, key)
     cfg.engine = cfg.engine.model_copy(update=update)
     engine = build_engine(cfg)
     e = cfg.engine
