@@ -10,17 +10,16 @@ from __future__ import annotations
 import torch
 
 from workers.forward_batch import ForwardBatch
-from workers.kernels.packed_linear import pack_linears
+from workers.kernels.packed_linear import prepare_cpu_inference
 from workers.models.llama import LlamaForCausalLM
-from workers.models.loader import use_input_major_weights
 
 
 class LocalExecutor:
     """One model and its KV cache of ``num_slots`` slots (plus a trash slot) in this process.
 
-    A float32 CPU model's linear layers are swapped in place for the packed kernels
-    (:func:`workers.kernels.packed_linear.pack_linears`), or given the input-major layout where
-    those are unavailable.
+    A float32 CPU model's linear layers are swapped in place for the packed kernels, or given the
+    input-major layout where those are unavailable
+    (:func:`workers.kernels.packed_linear.prepare_cpu_inference`).
     """
 
     def __init__(self, model: LlamaForCausalLM, num_slots: int):
@@ -28,8 +27,7 @@ class LocalExecutor:
         self.config = model.config
         self.device = model.lm_head.weight.device
         self.dtype = model.lm_head.weight.dtype
-        if self.device.type == "cpu" and self.dtype == torch.float32 and not pack_linears(model):
-            use_input_major_weights(model)
+        prepare_cpu_inference(model)
         self.cache = model.new_cache(num_slots)
 
     @property

@@ -130,3 +130,20 @@ def _shared_parameters(module: torch.nn.Module) -> set[int]:
         for p in m.parameters(recurse=False):
             seen[id(p)] = seen.get(id(p), 0) + 1
     return {k for k, n in seen.items() if n > 1}
+
+
+def prepare_cpu_inference(module: torch.nn.Module) -> bool:
+    """Make a float32 CPU module's linear layers fast for inference: :func:`pack_linears`, or
+    where the kernels are unavailable the input-major weight layout torch's GEMM prefers
+    (:func:`workers.models.loader.use_input_major_weights`). Returns True when packed. Modules in
+    other dtypes or on other devices are left alone (bfloat16 runs on oneDNN/AMX, which prefers
+    the row-major layout)."""
+    params = list(module.parameters())
+    if not params or params[0].dtype != torch.float32 or params[0].device.type != "cpu":
+        return False
+    if pack_linears(module):
+        return True
+    from workers.models.loader import use_input_major_weights
+
+    use_input_major_weights(module)
+    return False

@@ -150,14 +150,10 @@ def pack_for_cpu(drafter: ReDrafter) -> None:
     """Inference on a float32 CPU drafter: its linear layers and draft-vocabulary head run on the
     packed kernels (:mod:`workers.kernels.packed_linear`; no autograd), or get the input-major
     layout where those are unavailable."""
-    from workers.kernels.packed_linear import PackedLinear, pack_linears
-    from workers.models.loader import use_input_major_weights
+    from workers.kernels.packed_linear import PackedLinear, prepare_cpu_inference
 
-    if pack_linears(drafter):
-        if drafter._draft_head is not None:
-            object.__setattr__(drafter, "_packed_head", PackedLinear.from_weight(drafter._draft_head.contiguous()))
-    else:
-        use_input_major_weights(drafter)
+    if prepare_cpu_inference(drafter) and drafter._draft_head is not None:
+        object.__setattr__(drafter, "_packed_head", PackedLinear.from_weight(drafter._draft_head.contiguous()))
 
 
 def load_drafter(

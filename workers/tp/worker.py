@@ -11,8 +11,7 @@ import torch
 
 from workers.forward_batch import ForwardBatch
 from workers.models.llama import LlamaForCausalLM
-from workers.kernels.packed_linear import pack_linears
-from workers.models.loader import use_input_major_weights
+from workers.kernels.packed_linear import prepare_cpu_inference
 from workers.tp.comm import Communicator
 from workers.tp.layers import shard_model
 
@@ -27,9 +26,7 @@ class ShardWorker:
 
     def __init__(self, model: LlamaForCausalLM, num_slots: int, comm: Communicator):
         shard_model(model, comm)
-        w = model.lm_head.weight
-        if w.device.type == "cpu" and w.dtype == torch.float32 and not pack_linears(model):
-            use_input_major_weights(model)
+        prepare_cpu_inference(model)
         self.model, self.comm = model, comm
         self.cache = model.new_cache(num_slots)
 
