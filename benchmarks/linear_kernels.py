@@ -34,7 +34,7 @@ def step_fns(dtype: torch.dtype) -> dict[str, list]:
     if dtype == torch.bfloat16:
         return {"torch bfloat16": [lambda x, w=w: F.linear(x, w) for w in weights]}
     input_major = [w.t().contiguous().t() for w in weights]
-    packed = [PackedLinear.from_weight(w) for w in weights]
+    packed = [PackedLinear(w) for w in weights]
     return {
         "torch float32 row-major": [lambda x, w=w: F.linear(x, w) for w in weights],
         "torch float32 input-major": [lambda x, w=w: F.linear(x, w) for w in input_major],
@@ -44,10 +44,10 @@ def step_fns(dtype: torch.dtype) -> dict[str, list]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--rows", default="1,2,3,5,9,17,33,64")
-    ap.add_argument("--rounds", type=int, default=9)
-    ap.add_argument("--out", default="benchmarks/results/linear_kernels.json")
+    ap.add_argument("--threads", type=int, default=2, help="torch (and kernel) threads")
+    ap.add_argument("--rows", default="1,2,3,5,9,17,33,64", help="row counts to time, comma-separated")
+    ap.add_argument("--rounds", type=int, default=9, help="timed rounds (after one warm-up round)")
+    ap.add_argument("--out", default="benchmarks/results/linear_kernels.json", help="JSON output path")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     rows = [int(r) for r in args.rows.split(",")]

@@ -8,8 +8,8 @@ in a child process before it is published (so a broken library never reaches a s
 SHA-256 written next to it is checked before every load (a damaged file is rebuilt). It links the
 OpenMP runtime torch already loaded, so it uses torch's threads (``torch.set_num_threads``).
 
-The kernels are used only where the build has AVX-512 (elsewhere torch's GEMM is faster). Set
-``RDSERVE_CPU_KERNELS=0`` to use torch's GEMM anyway.
+The kernel needs AVX-512: elsewhere the build fails with that message and torch's GEMM is used
+(it would be faster than a portable build). Set ``RDSERVE_CPU_KERNELS=0`` to use torch's GEMM anyway.
 """
 
 from __future__ import annotations
@@ -130,6 +130,16 @@ def load() -> ctypes.CDLL:
     """
     if os.environ.get("RDSERVE_CPU_KERNELS", "1").lower() in ("0", "off", "false", "no"):
         raise KernelUnavailable("disabled by RDSERVE_CPU_KERNELS")
+    return library()
+
+
+def library() -> ctypes.CDLL:
+    """:func:`load` without the ``RDSERVE_CPU_KERNELS`` check: the cached handle, for hot paths
+    whose module was built after :func:`load` succeeded.
+
+    Raises:
+        KernelUnavailable: it cannot be built or loaded.
+    """
     lib, error = _load_once()
     if error is not None:
         raise error
@@ -149,9 +159,6 @@ def _load_once() -> tuple[ctypes.CDLL | None, KernelUnavailable | None]:
     lib.rd_linear_packed.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3
     lib.rd_linear_packed.restype = None
     lib.rd_panel_width.restype = ctypes.c_int
-    lib.rd_has_avx512.restype = ctypes.c_int
-    if not lib.rd_has_avx512():
-        return None, KernelUnavailable("this CPU has no AVX-512; torch's GEMM is faster with the portable build")
     return lib, None
 
 

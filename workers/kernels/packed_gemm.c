@@ -21,8 +21,17 @@
 #define KBLOCK 32
 #define PREFETCH_K 32
 
-#if defined(__AVX512F__)
+#if !defined(__AVX512F__)
+#error "rdserve's packed kernel needs AVX-512; on this CPU torch's GEMM is used instead"
+#endif
 #include <immintrin.h>
+
+/* Last step of every output row: add the bias, store the first nvalid columns. */
+static inline void store_row(float *row, const float *bias, float *y, long nvalid) {
+    if (bias)
+        for (long j = 0; j < nvalid; j++) row[j] += bias[j];
+    memcpy(y, row, (size_t)nvalid * sizeof(float));
+}
 
 #define KERNEL(MR)                                                                              \
 static void kernel_##MR(const float *x, long K, const float *wp, const float *bias, float *y,  \
@@ -49,45 +58,13 @@ static void kernel_##MR(const float *x, long K, const float *wp, const float *bi
             _mm512_storeu_ps(total[m] + 16, _mm512_add_ps(_mm512_loadu_ps(total[m] + 16), acc[m][1])); \
         }                                                                                       \
     }                                                                                           \
-    for (int m = 0; m < MR; m++) {                                                              \
-        if (bias)                                                                               \
-            for (long j = 0; j < nvalid; j++) total[m][j] += bias[j];                           \
-        memcpy(y + m * ldy, total[m], (size_t)nvalid * sizeof(float));                         \
-    }                                                                                           \
+    for (int m = 0; m < MR; m++) store_row(total[m], bias, y + m * ldy, nvalid);                \
 }
-#else
-/* Portable fallback: the same layout and the same rounding, vectorized by the compiler where it can. */
-#define KERNEL(MR)                                                                              \
-static void kernel_##MR(const float *x, long K, const float *wp, const float *bias, float *y,  \
-                        long ldy, long nvalid) {                                               \
-    float acc[MR][PANEL], total[MR][PANEL];                                                     \
-    memset(total, 0, sizeof(total));                                                            \
-    for (long k0 = 0; k0 < K; k0 += KBLOCK) {                                                   \
-        long k1 = k0 + KBLOCK < K ? k0 + KBLOCK : K;                                            \
-        memset(acc, 0, sizeof(acc));                                                            \
-        for (long k = k0; k < k1; k++) {                                                        \
-            const float *wk = wp + k * PANEL;                                                   \
-            for (int m = 0; m < MR; m++) {                                                      \
-                float xv = x[m * K + k];                                                        \
-                for (int j = 0; j < PANEL; j++) acc[m][j] = __builtin_fmaf(wk[j], xv, acc[m][j]); \
-            }                                                                                   \
-        }                                                                                       \
-        for (int m = 0; m < MR; m++)                                                            \
-            for (int j = 0; j < PANEL; j++) total[m][j] += acc[m][j];                           \
-    }                                                                                           \
-    for (int m = 0; m < MR; m++) {                                                              \
-        if (bias)                                                                               \
-            for (long j = 0; j < nvalid; j++) total[m][j] += bias[j];                           \
-        memcpy(y + m * ldy, total[m], (size_t)nvalid * sizeof(float));                         \
-    }                                                                                           \
-}
-#endif
 
 KERNEL(1) KERNEL(2) KERNEL(3) KERNEL(4) KERNEL(5) KERNEL(6)
 KERNEL(7) KERNEL(8) KERNEL(9) KERNEL(10) KERNEL(11) KERNEL(12)
 
 
-#if defined(__AVX512F__)
 /* One row, GROUP panels side by side (GROUP weight streams per thread): plain decoding at batch 1.
  * Same per-element rounding as kernel_1. */
 #define GROUP 3
@@ -112,11 +89,8 @@ static void kernel_1_group(const float *x, long K, const float *wp, const float 
     }
     float out[GROUP * PANEL];
     for (int i = 0; i < 2 * GROUP; i++) _mm512_storeu_ps(out + 16 * i, total[i]);
-    if (bias)
-        for (long j = 0; j < nvalid; j++) out[j] += bias[j];
-    memcpy(y, out, (size_t)nvalid * sizeof(float));
+    store_row(out, bias, y, nvalid);
 }
-#endif
 
 typedef void (*kernel_fn)(const float *, long, const float *, const float *, float *, long, long);
 static const kernel_fn KERNELS[ROWS + 1] = {NULL, kernel_1, kernel_2, kernel_3, kernel_4, kernel_5, kernel_6,
@@ -125,7 +99,6 @@ static const kernel_fn KERNELS[ROWS + 1] = {NULL, kernel_1, kernel_2, kernel_3, 
 /* x: [M, K] contiguous; wp: packed [ceil(N / 32)][K][32]; bias: [N] or NULL; y: [M, N] contiguous. */
 void rd_linear_packed(const float *x, const float *wp, const float *bias, float *y, long M, long K, long N) {
     long panels = (N + PANEL - 1) / PANEL;
-#if defined(__AVX512F__)
     if (M == 1 && panels % GROUP == 0) {
 #pragma omp parallel for schedule(static)
         for (long g = 0; g < panels / GROUP; g++) {
@@ -135,7 +108,6 @@ void rd_linear_packed(const float *x, const float *wp, const float *bias, float 
         }
         return;
     }
-#endif
 #pragma omp parallel for schedule(static)
     for (long p = 0; p < panels; p++) {
         long n0 = p * PANEL;
@@ -149,11 +121,3 @@ void rd_linear_packed(const float *x, const float *wp, const float *bias, float 
 
 int rd_panel_width(void) { return PANEL; }
 
-/* 1 when this build uses AVX-512 (the portable path is slower than torch's GEMM). */
-int rd_has_avx512(void) {
-#if defined(__AVX512F__)
-    return 1;
-#else
-    return 0;
-#endif
-}

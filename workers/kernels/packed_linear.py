@@ -30,30 +30,30 @@ def unpack_weight(panels: torch.Tensor, out_features: int) -> torch.Tensor:
 
 
 class PackedLinear(torch.nn.Module):
-    """Inference-only replacement of a float32 CPU ``nn.Linear``: ``[..., K] -> [..., N]``.
+    """Inference-only ``x @ weight.T + bias`` on float32 CPU tensors: ``[..., K] -> [..., N]``.
 
-    ``weight`` stays the original Parameter when it is shared with another module (a tied LM
-    head and input embedding) or ``keep_weight`` is set; otherwise the dense copy is freed and
-    ``weight`` returns an unpacked copy on access.
+    ``weight``: ``[N, K]``; ``bias``: ``[N]`` or None. The module keeps ``weight`` itself when
+    ``keep_weight`` (a tied LM head shares it with the input embedding); otherwise only the panels
+    are kept and the ``weight`` property returns an unpacked copy.
+
+    Raises:
+        ValueError: a weight that is not float32 on CPU. KernelUnavailable: see
+            :mod:`workers.kernels.build`.
     """
 
-    def __init__(self, linear: torch.nn.Linear, keep_weight: bool = False):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, keep_weight: bool = False):
         super().__init__()
-        w = linear.weight
-        if w.dtype != torch.float32 or w.device.type != "cpu":
-            raise ValueError(f"PackedLinear needs a float32 CPU weight, got {w.dtype} on {w.device}")
-        self.out_features, self.in_features = w.shape
-        self.register_buffer("panels", pack_weight(w), persistent=False)
-        self.bias = None if linear.bias is None else linear.bias.detach().contiguous()
-        self._weight = w if keep_weight else None
+        if weight.dtype != torch.float32 or weight.device.type != "cpu":
+            raise ValueError(f"PackedLinear needs a float32 CPU weight, got {weight.dtype} on {weight.device}")
+        self.out_features, self.in_features = weight.shape
+        self.register_buffer("panels", pack_weight(weight), persistent=False)
+        self.bias = None if bias is None else bias.detach().contiguous()
+        self._weight = weight if keep_weight else None
         build.load()  # fail here, not in the first forward
 
     @classmethod
-    def from_weight(cls, weight: torch.Tensor) -> "PackedLinear":
-        """``x @ weight.T`` for a bare ``[N, K]`` weight (no bias); ``weight`` is not kept."""
-        holder = torch.nn.Module()
-        holder.weight, holder.bias = weight, None
-        return cls(holder)  # type: ignore[arg-type]
+    def from_linear(cls, linear: torch.nn.Linear, keep_weight: bool = False) -> "PackedLinear":
+        return cls(linear.weight, linear.bias, keep_weight)
 
     @property
     def weight(self) -> torch.Tensor:
@@ -70,7 +70,7 @@ class PackedLinear(torch.nn.Module):
         x2 = x.reshape(-1, self.in_features).contiguous()
         y = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)
         if x2.shape[0]:
-            build.load().rd_linear_packed(x2.data_ptr(), panels.data_ptr(), 0 if bias is None else bias.data_ptr(),
+            build.library().rd_linear_packed(x2.data_ptr(), panels.data_ptr(), 0 if bias is None else bias.data_ptr(),
                                           y.data_ptr(), x2.shape[0], self.in_features, self.out_features)
         return y.view(*lead, self.out_features)
 
@@ -120,7 +120,7 @@ def pack_linears(module: torch.nn.Module) -> int:
     for name, m in targets:
         parent_name, _, attr = name.rpartition(".")
         parent = module.get_submodule(parent_name) if parent_name else module
-        setattr(parent, attr, PackedLinear(m, keep_weight=id(m.weight) in shared))
+        setattr(parent, attr, PackedLinear.from_linear(m, keep_weight=id(m.weight) in shared))
     return len(targets)
 
 

@@ -89,7 +89,7 @@ def use_input_major_weights(module: torch.nn.Module) -> None:
     ``[in, out]`` contiguous tensor).
 
     Values are unchanged; on CPU, MKL's float32 GEMM for one row and for 4-16 rows runs faster
-    with this layout (``benchmarks/linear_layout.py``). The engine uses it only where the packed
+    with this layout (``benchmarks/linear_kernels.py``). The engine uses it only where the packed
     kernels (:mod:`workers.kernels.packed_linear`) are unavailable.
     """
     for m in module.modules():

@@ -153,7 +153,7 @@ def pack_for_cpu(drafter: ReDrafter) -> None:
     from workers.kernels.packed_linear import PackedLinear, prepare_cpu_inference
 
     if prepare_cpu_inference(drafter) and drafter._draft_head is not None:
-        object.__setattr__(drafter, "_packed_head", PackedLinear.from_weight(drafter._draft_head.contiguous()))
+        object.__setattr__(drafter, "_packed_head", PackedLinear(drafter._draft_head.contiguous()))
 
 
 def load_drafter(

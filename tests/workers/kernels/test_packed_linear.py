@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from workers.kernels import build
 from workers.kernels.packed_linear import PackedLinear, pack_linears, pack_weight, unpack_weight
 
-needs_kernel = pytest.mark.skipif(not build.available(), reason="no C compiler for the CPU kernels")
+needs_kernel = pytest.mark.skipif(not build.available(), reason="CPU kernels unavailable here (no C compiler or no AVX-512, or RDSERVE_CPU_KERNELS=0)")
 
 
 @needs_kernel
@@ -26,7 +26,7 @@ def test_matches_torch_linear(n, k, bias, m):
             lin.bias.copy_(torch.randn(n, generator=g))
     x = torch.randn(m, k, generator=g)
     want = F.linear(x.double(), lin.weight.double(), None if lin.bias is None else lin.bias.double())
-    got = PackedLinear(lin)(x)
+    got = PackedLinear.from_linear(lin)(x)
     assert got.shape == (m, n) and got.dtype == torch.float32
     assert (got.double() - want).abs().max() < 1e-5 * max(1.0, k**0.5)
 
@@ -37,7 +37,7 @@ def test_each_row_is_independent_of_the_others(n):
     """Bit-identical rows for any batch: what makes greedy speculative decoding reproduce plain
     decoding exactly (a 1-row plain step and a 9-row tree compute the same values)."""
     g = torch.Generator().manual_seed(1)
-    lin = PackedLinear(torch.nn.Linear(576, n, bias=True))
+    lin = PackedLinear.from_linear(torch.nn.Linear(576, n, bias=True))
     x = torch.randn(17, 576, generator=g)
     together = lin(x)
     for i in range(17):
@@ -48,7 +48,7 @@ def test_each_row_is_independent_of_the_others(n):
 @needs_kernel
 def test_leading_dims_and_non_contiguous_input():
     lin = torch.nn.Linear(48, 70)
-    packed = PackedLinear(lin)
+    packed = PackedLinear.from_linear(lin)
     x = torch.randn(3, 4, 96)[..., ::2]
     assert torch.allclose(packed(x), lin(x), atol=1e-5)
     assert packed(torch.randn(0, 48)).shape == (0, 70)
@@ -65,9 +65,9 @@ def test_pack_unpack_round_trip():
 @needs_kernel
 def test_rejects_other_dtypes():
     with pytest.raises(ValueError, match="float32 CPU weight"):
-        PackedLinear(torch.nn.Linear(8, 8).bfloat16())
+        PackedLinear.from_linear(torch.nn.Linear(8, 8).bfloat16())
     with pytest.raises(ValueError, match="float32 CPU input"):
-        PackedLinear(torch.nn.Linear(8, 8))(torch.randn(2, 8, dtype=torch.float64))
+        PackedLinear.from_linear(torch.nn.Linear(8, 8))(torch.randn(2, 8, dtype=torch.float64))
 
 
 class _Tied(torch.nn.Module):
