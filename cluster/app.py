@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
+
 from ray import serve
 from ray.serve import Application
+from ray.serve.config import AutoscalingPolicy, RequestRouterConfig
 
 from cluster.config import RdserveConfig
 from cluster.openai_api import OpenAIIngress
@@ -11,20 +14,116 @@ from cluster.replica import EngineReplica
 
 APP_NAME = "rdserve"
 
+SERVE_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
+"""Environment ``rdserve up`` gives Ray (an operator's own value wins): Ray Serve's throughput mode
+runs replica code on the replica's event loop instead of a second thread, talks gRPC between proxy
+and replicas, serves HTTP at the ingress replica directly and freezes start-up objects out of the
+garbage collector; every token of a stream crosses fewer threads and processes
+(``benchmarks/served_vs_engine.py``)."""
+
 def engine_actor_options(cfg: RdserveConfig) -> dict:
-    """Ray resources of one engine replica: one CPU, plus one GPU (chosen by Ray) for a CUDA device."""
-    return {"num_cpus": 1, "num_gpus": 1 if cfg.engine.device.startswith("cuda") else 0}
+    """Ray resources of one engine replica: ``serve.num_cpus_per_replica`` CPUs, plus one GPU (chosen by Ray)
+    for a CUDA device."""
+    return {"num_cpus": cfg.serve.num_cpus_per_replica, "num_gpus": 1 if cfg.engine.device.startswith("cuda") else 0}
 
 
-def build_app(cfg: RdserveConfig) -> Application:
-    """Bind the deployments for ``cfg``; ``serve.run(build_app(cfg))`` deploys them."""
-    engine = EngineReplica.options(
-        num_replicas=cfg.serve.replicas,
+def replacement_options(cfg: RdserveConfig) -> dict:
+    """How replicas are stopped and replaced. With autoscaling: a replica being stopped (scale-down,
+    redeploy) first finishes its streams, for at most ``graceful_shutdown_timeout_s``; a redeploy starts
+    each replacement before stopping the replica it replaces (``max_surge_percent`` 100; every
+    ``serve.run`` of a Python application is a new code version to Serve, so it replaces every replica).
+    Without autoscaling: Serve's defaults (20 s, stop first)."""
+    scaling = cfg.serve.autoscaling
+    if scaling is None:
+        return {}
+    return {"graceful_shutdown_timeout_s": scaling.graceful_shutdown_timeout_s,
+            "graceful_shutdown_wait_loop_s": 1.0,  # how often a stopping replica checks for finished streams
+            "max_surge_percent": 100}
+
+
+def replica_count_options(cfg: RdserveConfig) -> dict:
+    """``num_replicas`` for a fixed count, or Serve's ``autoscaling_config`` with the rdserve policy
+    (``cluster.autoscaling``)."""
+    scaling = cfg.serve.autoscaling
+    if scaling is None:
+        return {"num_replicas": cfg.serve.replicas}
+    policy = AutoscalingPolicy(
+        policy_function="cluster.autoscaling:RdserveAutoscalingPolicy",
+        policy_kwargs={"target_ongoing_requests": scaling.target_ongoing_requests,
+                       "kv_usage_target": scaling.kv_usage_target,
+                       "slo_ttft_s": scaling.slo_ttft_ms / 1000 if scaling.slo_ttft_ms else None},
+    )
+    bounds = scaling.model_dump(include={"min_replicas", "max_replicas", "target_ongoing_requests",
+                                         "upscale_delay_s", "downscale_delay_s", "look_back_period_s",
+                                         "metrics_interval_s"})
+    return {"autoscaling_config": {**bounds, "policy": policy}}
+
+
+ROUTING_STATS_PERIOD_S = 0.5
+"""How often Serve polls each engine replica's ``record_routing_stats`` (Serve's default is 10 s; the
+goodput router ranks on these stats, and counts what it sent since for the time between polls)."""
+
+ROUTING_STATS_TIMEOUT_S = 5.0
+
+
+def request_router_options(cfg: RdserveConfig) -> dict:
+    """``request_router_config`` of the engine replicas: ``serve.request_router`` 'goodput'
+    (``cluster.request_router``) or 'pow2' (Serve's default router), both polling routing stats every
+    ``ROUTING_STATS_PERIOD_S``."""
+    router_class = ({"request_router_class": "cluster.request_router:GoodputRequestRouter"}
+                    if cfg.serve.request_router == "goodput" else {})
+    return {"request_router_config": RequestRouterConfig(
+        **router_class, request_routing_stats_period_s=ROUTING_STATS_PERIOD_S,
+        request_routing_stats_timeout_s=ROUTING_STATS_TIMEOUT_S)}
+
+
+def pool_configs(cfg: RdserveConfig) -> dict[str, RdserveConfig]:
+    """Two-pool mode (``serve.pools``, :mod:`cluster.pools`): the config of each pool's replicas.
+
+    ``spec``: the drafter, engine.num_beams x draft_len_per_beam at every batch size, every request
+    drafts. ``plain``: no drafter. Each pool has its own replicas or autoscaling; a null
+    ``engine.num_threads`` shares the cores among the most replicas both pools may run together.
+    """
+    pools = cfg.serve.pools
+    most = sum(p.autoscaling.max_replicas if p.autoscaling else p.replicas for p in (pools.spec, pools.plain))
+    engine = cfg.engine.model_copy(update={"spec_schedule": None,
+                                           "num_threads": cfg.engine.num_threads or max(1, (os.cpu_count() or 1) // most)})
+    out = {}
+    for name, pool in (("spec", pools.spec), ("plain", pools.plain)):
+        serve_cfg = cfg.serve.model_copy(update={"replicas": pool.replicas, "autoscaling": pool.autoscaling, "pools": None})
+        drafter = cfg.drafter if name == "spec" else cfg.drafter.model_copy(update={"path": None})
+        router = cfg.router.model_copy(update={"default_mode": name})
+        out[name] = cfg.model_copy(update={"engine": engine, "drafter": drafter, "router": router, "serve": serve_cfg})
+    return out
+
+
+def _engine_deployment(cfg: RdserveConfig, name: str = "EngineReplica"):
+    return EngineReplica.options(
+        name=name,
+        **replica_count_options(cfg),
+        **replacement_options(cfg),
+        **request_router_options(cfg),
         ray_actor_options=engine_actor_options(cfg),
         max_ongoing_requests=cfg.serve.max_ongoing_requests,
         max_queued_requests=cfg.serve.max_queued_requests or -1,
     ).bind(cfg)
-    return OpenAIIngress.bind(engine, cfg.model.name)
+
+
+def build_app(cfg: RdserveConfig) -> Application:
+    """Bind the deployments for ``cfg``; ``serve.run(build_app(cfg))`` deploys them.
+
+    One pool: ingress -> ``EngineReplica``. Two-pool mode: ingress -> ``EngineReplicaSpec`` and
+    ``EngineReplicaPlain`` (see :func:`pool_configs`); the ingress picks the pool per request.
+    """
+    if cfg.serve.pools is None:
+        engine = _engine_deployment(cfg)
+        return OpenAIIngress.options(**replacement_options(cfg)).bind(engine, cfg.model.name)
+    pools = {name: _engine_deployment(pcfg, f"EngineReplica{name.title()}") for name, pcfg in pool_configs(cfg).items()}
+    policy = {"calibration": str(cfg.engine.spec_calibration),
+              "shape": [cfg.engine.num_beams, cfg.engine.draft_len_per_beam]}
+    scaling = cfg.serve.pools.spec.autoscaling or cfg.serve.pools.plain.autoscaling
+    ingress_cfg = cfg.model_copy(update={"serve": cfg.serve.model_copy(update={"autoscaling": scaling})})
+    return OpenAIIngress.options(**replacement_options(ingress_cfg)).bind(pools, cfg.model.name, policy)
 
 
 def deploy(cfg: RdserveConfig, name: str = APP_NAME, route_prefix: str = "/") -> None:

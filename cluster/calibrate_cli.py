@@ -5,7 +5,9 @@ size, plain and for each draft-tree shape; greedy tokens per step of each shape 
 file, or rdserve's built-in held-out prompts). :func:`workers.spec_schedule.derive_schedule` then
 picks, per batch size, the shape with the highest expected tokens/s or plain decoding; the table is
 written into the config's ``engine.spec_schedule`` and the largest batch size that still speculates
-into ``router.spec_max_load`` (requests arriving above it are decoded plain).
+into ``router.spec_max_load`` (requests arriving above it are decoded plain). With
+``engine.spec_schedule: auto`` the figures themselves are the policy's input: they go to
+``engine.spec_calibration`` (the goodput model, :mod:`cluster.goodput`) and the config is unchanged.
 """
 
 from __future__ import annotations
@@ -69,7 +71,8 @@ def calibrate(
     max_tokens: int = typer.Option(64, min=2, help="Tokens generated per prompt for tokens per step."),
     context_len: int = typer.Option(256, min=1, help="Cached tokens per request while timing steps."),
     repeats: int = typer.Option(6, min=1, help="Timed iterations per measurement (median)."),
-    out: Path = typer.Option(Path("calibration.json"), help="Where to write every measured figure."),
+    out: Path | None = typer.Option(None, help="Where to write every measured figure (JSON); default: the "
+                                    "config's engine.spec_calibration with spec_schedule 'auto', else calibration.json."),
     write: bool = typer.Option(True, "--write/--no-write", help="Write the derived table into the config's "
                                "engine.spec_schedule (comments and the other keys are kept)."),
 ) -> None:
@@ -79,12 +82,15 @@ def calibrate(
     from workers.calibration import measure_step_s, measure_tokens_per_step
     from workers.spec_schedule import derive_schedule
 
-    cfg = _startable_config(config)
+    cfg = _startable_config(config, calibration=False)
+    auto = cfg.engine.spec_schedule == "auto"
+    out = out or (cfg.engine.spec_calibration if auto else Path("calibration.json"))
     if cfg.drafter.path is None:
         err_console.print("calibrate needs drafter.path in the config (there is nothing to schedule without it)")
         raise typer.Exit(2)
     batches, shape_list = _parse_batches(batch_sizes), _parse_shapes(shapes)
-    cfg.engine = cfg.engine.model_copy(update={"max_batch_size": max(cfg.engine.max_batch_size, batches[-1])})
+    cfg.engine = cfg.engine.model_copy(update={"max_batch_size": max(cfg.engine.max_batch_size, batches[-1]),
+                                               "spec_schedule": None})  # each measurement sets its shape
     engine = build_engine(_with_model_dir(cfg))
     all_ids = _prompts(engine, prompts, prompts_per_category)
     prompt_ids = [ids for ids in all_ids if len(ids) + max_tokens <= engine.max_seq_len]
@@ -118,7 +124,10 @@ def calibrate(
         "spec_schedule": rows,
     }, indent=1))
     console.print(f"figures written to {out}")
-    if write:
+    if auto:
+        console.print("engine.spec_schedule is 'auto': the goodput model reads the step costs and tokens per step "
+                      f"from {out} at start (engine.spec_calibration); the config is left as it is")
+    elif write:
         _write_schedule(config, rows, f"derived by `rdserve calibrate` ({out.name}): batch sizes {batch_sizes}, "
                                       f"shapes {shapes}")
         console.print(f"engine.spec_schedule and router.spec_max_load written to {config}")

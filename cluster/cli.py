@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
 import threading
 import time
@@ -39,11 +40,11 @@ ConfigOption = typer.Option(DEFAULT_CONFIG, "--config", "-c", help="YAML config 
                             "resolve against its own directory).")
 
 
-def _startable_config(path: Path) -> RdserveConfig:
+def _startable_config(path: Path, calibration: bool = True) -> RdserveConfig:
     """Load and check the config; on error print it (naming the field) and exit with code 2."""
     try:
         cfg = load_config(path)
-        check_startable(cfg)
+        check_startable(cfg, calibration=calibration)
     except ConfigError as err:
         err_console.print(f"[red]config error[/red]: {err}", highlight=False, soft_wrap=True)
         raise typer.Exit(2) from None
@@ -68,10 +69,12 @@ def up(config: Path = ConfigOption) -> None:
     Ctrl-C or SIGTERM shuts Serve and Ray down.
     """
     cfg = _with_model_dir(_startable_config(config))
+    from cluster.app import SERVE_ENV, deploy
+
+    for key, value in SERVE_ENV.items():  # before ray.init: Ray's processes inherit the driver's environment
+        os.environ.setdefault(key, value)
     import ray
     from ray import serve
-
-    from cluster.app import deploy
 
     local_only = cfg.serve.host in ("127.0.0.1", "localhost")  # keep Ray's own ports on loopback too
     ray.init(include_dashboard=False, logging_level=logging.WARNING,
@@ -117,8 +120,16 @@ def _wait_until_healthy(cfg: RdserveConfig) -> str:
 def _print_ready(cfg: RdserveConfig, base_url: str) -> None:
     body = json.dumps({"model": cfg.model.name, "messages": [{"role": "user", "content": "Hello!"}],
                        "max_tokens": 64})
+    def count(replicas: int, scaling) -> str:
+        return f"{scaling.min_replicas}..{scaling.max_replicas} replicas (autoscaling)" if scaling \
+            else f"{replicas} replica(s)"
+
+    pools = cfg.serve.pools
+    replicas = (f"spec pool {count(pools.spec.replicas, pools.spec.autoscaling)}, plain pool "
+                f"{count(pools.plain.replicas, pools.plain.autoscaling)}" if pools
+                else count(cfg.serve.replicas, cfg.serve.autoscaling))
     console.print(f"[green]rdserve is up[/green]: {base_url}/v1  (model {cfg.model.name}, "
-                  f"{cfg.serve.replicas} replica(s), drafter {cfg.drafter.path or 'none'})")
+                  f"{replicas}, drafter {cfg.drafter.path or 'none'})")
     try:
         kv = httpx.get(f"{base_url}/health", timeout=5.0).json()["kv_cache"]
         console.print(f"paged KV cache per replica: {kv['blocks']} blocks x {kv['tokens_per_block']} tokens = "

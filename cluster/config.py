@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from workers.spec_schedule import SpecSchedule
 
@@ -60,17 +60,37 @@ class EngineConfig(_Section):
     num_beams: int = Field(4, ge=1, le=16, description="ReDrafter beams drafted per step")
     draft_len_per_beam: int = Field(4, ge=1, le=16, description="draft tokens per beam")
     max_seq_len: int = Field(2048, ge=16, description="context length: prompt + completion tokens")
-    num_threads: int | None = Field(None, ge=1, description="torch intra-op threads; null = cores / replicas")
-    spec_schedule: SpecSchedule | None = Field(
-        None, description="'off' or rows {max_batch_size, num_beams, draft_len_per_beam} (speculation "
-        "schedule by number of generation requests); null = num_beams x draft_len_per_beam at every batch size",
+    num_threads: int | None = Field(None, ge=1, description="torch intra-op threads; null = cores / serve.replicas "
+                                    "(with autoscaling: cores / max_replicas, so a full machine is not oversubscribed)")
+    spec_schedule: Literal["auto"] | SpecSchedule | None = Field(
+        None, description="'auto' (the goodput model: shape or plain per iteration from spec_calibration's "
+        "step costs and live acceptance), 'off', or rows {max_batch_size, num_beams, draft_len_per_beam} "
+        "(fixed schedule by number of generation requests); null = num_beams x draft_len_per_beam at every batch size",
     )
+    spec_calibration: Path | None = Field(
+        None, description="`rdserve calibrate --out` JSON (step costs by batch size and shape, tokens per step); "
+        "needed by spec_schedule 'auto'",
+    )
+
+    _resolve_calibration = field_validator("spec_calibration")(_resolve)
     max_batch_size: int = Field(16, ge=1, description="requests decoded together (in-flight batching)")
     max_num_tokens: int = Field(2048, ge=16, description="tokens per iteration: context chunks + draft trees")
     max_prefill_chunk: int | None = Field(512, ge=1, description="context tokens of one request per iteration")
     tokens_per_block: int = Field(16, ge=1, description="paged KV cache block size")
     num_kv_blocks: int | None = Field(None, ge=1, description="KV cache blocks; null = sized by kv_cache_fraction")
     kv_cache_fraction: float = Field(0.2, gt=0, le=1, description="share of free memory for the KV cache")
+
+
+class AutoPolicyConfig(_Section):
+    """The goodput model's hysteresis and estimates (``engine.spec_schedule: auto``), see
+    ``cluster.spec_controller``."""
+
+    margin: float = Field(0.05, ge=0, description="another choice must win by this fraction of tokens/s...")
+    patience: int = Field(8, ge=1, description="...for this many consecutive iterations before switching")
+    ema_alpha: float = Field(0.05, gt=0, le=1, description="replica tokens-per-step moving average weight")
+    request_ema_alpha: float = Field(0.2, gt=0, le=1, description="per-request tokens-per-step moving average weight")
+    probe_interval: int = Field(8, ge=1, description="a request decoding plain for low acceptance drafts "
+                                "once every this many steps")
 
 
 class RouterConfig(_Section):
@@ -83,18 +103,105 @@ class RouterConfig(_Section):
 
     spec_max_load: int = Field(4, ge=0)
     default_mode: Literal["auto", "spec", "plain"] = "auto"
+    auto: AutoPolicyConfig = Field(default_factory=lambda: AutoPolicyConfig())
+
+
+class AutoscalingConfig(_Section):
+    """Engine replicas scaled by load (``cluster.autoscaling``); Ray Serve applies the bounds and delays.
+
+    The defaults suit a model that loads in tens of seconds: react to a burst within about
+    ``upscale_delay_s`` + ``metrics_interval_s``, keep a warm replica through lulls of a few minutes.
+    """
+
+    min_replicas: int = Field(1, ge=1, description="never fewer; >= 1 because a cold start (model load, "
+                              "tens of seconds) would land in some request's TTFT")
+    max_replicas: int = Field(2, ge=1, description="never more; 2 is the smallest bound that scales at all, "
+                              "raise it to what the cluster's GPUs or cores can hold")
+    target_ongoing_requests: float = Field(
+        8.0, gt=0, description="requests per replica (decoding, queued in its engine, or queued in Serve) the "
+        "replica count aims at: ceil(total / this). 8 = half of engine.max_batch_size's default 16, so a new "
+        "replica is on its way before the first one's batch is full",
+    )
+    upscale_delay_s: float = Field(10.0, ge=0, description="demand must stay above the current count this long "
+                                   "before a replica is added; bursts shorter than this are absorbed by "
+                                   "in-flight batching")
+    downscale_delay_s: float = Field(300.0, ge=0, description="demand must stay below the current count this "
+                                     "long before a replica is stopped; a warm replica outlives short lulls")
+    metrics_interval_s: float = Field(
+        2.0, gt=0, description="replicas and handles push their stats this often; Serve's default 10 s would "
+        "add up to 10 s to every decision (Serve 2.60 marks the field deprecated for env vars it does not read yet)",
+    )
+    look_back_period_s: float = Field(30.0, gt=0, description="Serve averages each replica's stats over this "
+                                      "window (time-weighted mean), smoothing single requests away")
+    kv_usage_target: float = Field(0.85, gt=0, le=1, description="with requests waiting in an engine, a mean KV "
+                                   "cache usage (0-1) above this adds a replica: the batch cannot grow")
+    slo_ttft_ms: float | None = Field(None, gt=0, description="with requests waiting in an engine, a replica's "
+                                      "TTFT p90 above this (ms) adds a replica; null = not used")
+    graceful_shutdown_timeout_s: float = Field(
+        600.0, gt=0, description="a replica being stopped (scale-down, redeploy) first finishes its streams, "
+        "for at most this long: 600 s covers a 2048-token completion at a slow 4 tokens/s",
+    )
+
+    @field_validator("max_replicas")
+    @classmethod
+    def _max_at_least_min(cls, value: int, info: ValidationInfo) -> int:
+        low = info.data.get("min_replicas")
+        if low is not None and value < low:
+            raise ValueError(f"must be >= min_replicas ({low})")
+        return value
+
+    @field_validator("look_back_period_s")
+    @classmethod
+    def _window_longer_than_interval(cls, value: float, info: ValidationInfo) -> float:
+        interval = info.data.get("metrics_interval_s")
+        if interval is not None and value <= interval:
+            raise ValueError(f"must be longer than metrics_interval_s ({interval} s): the window must hold "
+                             "more than one report")
+        return value
+
+
+class PoolConfig(_Section):
+    """One pool of engine replicas in two-pool mode (``serve.pools``)."""
+
+    replicas: int = Field(1, ge=1, description="engine replicas of this pool (a fixed count; unused when "
+                          "autoscaling is set)")
+    autoscaling: AutoscalingConfig | None = Field(None, description="scale this pool by its load; null = "
+                                                  "the fixed replicas")
+
+
+class PoolsConfig(_Section):
+    """Two-pool mode (``cluster.pools``): ``spec`` replicas always draft with engine.num_beams x
+    engine.draft_len_per_beam (as a TensorRT-LLM ReDrafter engine, whose shape is built in); ``plain``
+    replicas have no drafter. The ingress sends each request to the pool where the goodput model
+    (engine.spec_calibration) expects it to decode fastest."""
+
+    spec: PoolConfig = Field(default_factory=PoolConfig)
+    plain: PoolConfig = Field(default_factory=PoolConfig)
 
 
 class ServeConfig(_Section):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
-    replicas: int = Field(1, ge=1, description="engine replicas, one Engine each")
+    replicas: int = Field(1, ge=1, description="engine replicas, one Engine each (a fixed count; unused when "
+                          "autoscaling is set)")
+    autoscaling: AutoscalingConfig | None = Field(None, description="scale the engine replicas by load; "
+                                                  "null = the fixed serve.replicas")
+    num_cpus_per_replica: float = Field(1.0, gt=0, description="Ray logical CPUs reserved per engine replica "
+                                        "(scheduling only; the engine's threads are engine.num_threads)")
     max_ongoing_requests: int = Field(
         64, ge=1, description="requests admitted to one replica at once (decoding together, or queued in its "
         "engine; they count as its load); beyond this they wait in Serve's queue",
     )
     max_queued_requests: int | None = Field(
         None, ge=1, description="requests waiting in Serve's queue before HTTP 503; null = unbounded"
+    )
+    pools: PoolsConfig | None = Field(None, description="two-pool mode: a speculative and a plain pool of the "
+                                      "same model, each with its replicas/autoscaling (replaces replicas and "
+                                      "autoscaling above); null = one pool that speculates per request")
+    request_router: Literal["goodput", "pow2"] = Field(
+        "goodput", description="how a request picks its replica: 'goodput' (the replica where it is expected "
+        "to complete first, from each replica's load, free KV blocks, step time and tokens per step; see "
+        "cluster.replica_ranking) or 'pow2' (Ray Serve's default: the shorter queue of two random replicas)",
     )
 
 
@@ -105,13 +212,32 @@ class RdserveConfig(_Section):
     router: RouterConfig = Field(default_factory=RouterConfig)
     serve: ServeConfig = Field(default_factory=ServeConfig)
 
+    @model_validator(mode="after")
+    def _auto_needs_calibration(self):
+        if self.engine.spec_schedule == "auto":
+            if self.engine.spec_calibration is None:
+                raise ValueError("engine.spec_calibration: spec_schedule 'auto' needs the calibration JSON "
+                                 "(`rdserve calibrate --out FILE`)")
+            if self.drafter.path is None:
+                raise ValueError("engine.spec_schedule: 'auto' needs drafter.path (nothing to speculate with)")
+        if self.serve.pools is not None:
+            if self.engine.spec_calibration is None:
+                raise ValueError("engine.spec_calibration: serve.pools needs the calibration JSON (the ingress "
+                                 "picks a pool with the goodput model; `rdserve calibrate --out FILE`)")
+            if self.drafter.path is None:
+                raise ValueError("serve.pools: two-pool mode needs drafter.path for the speculative pool")
+        return self
+
 
 def format_validation_error(err: ValidationError) -> str:
     """One line per problem: ``dotted.field: pydantic message``."""
     lines = []
     for e in err.errors():
-        field = ".".join(str(p) for p in e["loc"]) or "(top level)"
-        lines.append(f"{field}: {e['msg']}")
+        field = ".".join(str(p) for p in e["loc"])
+        if not field and e["msg"].startswith("Value error, "):  # a cross-field check: its message names the field
+            lines.append(e["msg"].removeprefix("Value error, "))
+            continue
+        lines.append(f"{field or '(top level)'}: {e['msg']}")
     return "\n".join(lines)
 
 
@@ -148,10 +274,11 @@ def load_config(path: str | Path) -> RdserveConfig:
         raise ConfigError(f"{path}:\n{err}") from None
 
 
-def check_startable(cfg: RdserveConfig, cuda_available: bool | None = None) -> None:
+def check_startable(cfg: RdserveConfig, cuda_available: bool | None = None, calibration: bool = True) -> None:
     """What this build can start: torch backend, an available device, existing paths.
 
-    ``cuda_available`` defaults to ``torch.cuda.is_available()``.
+    ``cuda_available`` defaults to ``torch.cuda.is_available()``. ``calibration`` False skips reading
+    ``engine.spec_calibration`` (``rdserve calibrate`` is what writes it).
 
     Raises:
         ConfigError: naming the field that cannot be honoured here.
@@ -176,6 +303,18 @@ def check_startable(cfg: RdserveConfig, cuda_available: bool | None = None) -> N
             raise ConfigError(f"{field}: directory not found: {path}")
         if path is not None and not (path / "config.json").is_file():
             raise ConfigError(f"{field}: {path} has no config.json (not a model/drafter directory)")
+    if (eng.spec_schedule == "auto" or cfg.serve.pools is not None) and calibration:
+        from cluster.goodput import StepCosts
+
+        try:
+            costs = StepCosts.load(eng.spec_calibration)
+        except ValueError as err:
+            raise ConfigError(f"engine.spec_calibration: {err}") from None
+        shape = (eng.num_beams, eng.draft_len_per_beam)
+        if cfg.serve.pools is not None and shape not in costs.spec_s:
+            raise ConfigError(f"engine.spec_calibration: serve.pools drafts {shape[0]}x{shape[1]} "
+                              f"(engine.num_beams x draft_len_per_beam) but {eng.spec_calibration} has no step "
+                              f"times for it; calibrate with --shapes including {shape[0]}x{shape[1]}")
     if eng.tp_size > 1:
         from workers.models.config import LlamaConfig
         from workers.models.pull import default_model_dir

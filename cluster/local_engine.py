@@ -14,6 +14,7 @@ def build_engine(cfg: RdserveConfig):
     otherwise give each actor ``OMP_NUM_THREADS=1``).
 
     ``engine.tp_size > 1`` runs the base model on that many MPI ranks (``workers.tp``).
+    ``engine.spec_schedule: auto`` gives the engine the live goodput model (:func:`spec_controller`).
 
     Returns a ``workers.engine.Engine``.
     """
@@ -29,12 +30,38 @@ def build_engine(cfg: RdserveConfig):
         max_num_tokens=eng.max_num_tokens, max_prefill_chunk=eng.max_prefill_chunk,
         tokens_per_block=eng.tokens_per_block, num_kv_blocks=eng.num_kv_blocks,
         kv_cache_fraction=eng.kv_cache_fraction,
-        num_threads=eng.num_threads or max(1, (os.cpu_count() or 1) // cfg.serve.replicas),
+        num_threads=num_threads(cfg),
     )
-    factory = None
+    factory = policy = None
+    if eng.spec_schedule == "auto":
+        policy = spec_controller(cfg)
     if eng.tp_size > 1:
         from workers.tp.executor import tp_executor_factory
 
         factory = tp_executor_factory(str(model_dir), eng.tp_size, options.num_threads)
     return Engine(str(model_dir), str(drafter_dir) if drafter_dir else None, options, executor_factory=factory,
-                  tp_size=eng.tp_size)
+                  spec_policy=policy, tp_size=eng.tp_size)
+
+
+def num_threads(cfg: RdserveConfig) -> int:
+    """torch intra-op threads of one engine: ``engine.num_threads``, or this machine's cores shared
+    among the most replicas it may run (``serve.replicas``, or ``serve.autoscaling.max_replicas``)."""
+    if cfg.engine.num_threads is not None:
+        return cfg.engine.num_threads
+    replicas = cfg.serve.autoscaling.max_replicas if cfg.serve.autoscaling else cfg.serve.replicas
+    return max(1, (os.cpu_count() or 1) // replicas)
+
+
+def spec_controller(cfg: RdserveConfig):
+    """The live goodput model for ``engine.spec_schedule: auto`` (``cluster.spec_controller``).
+
+    Raises:
+        ValueError: the calibration file is unusable (named).
+    """
+    from cluster.goodput import StepCosts
+    from cluster.spec_controller import ControllerSettings, SpecController
+
+    auto = cfg.router.auto
+    settings = ControllerSettings(margin=auto.margin, patience=auto.patience, ema_alpha=auto.ema_alpha,
+                                  request_ema_alpha=auto.request_ema_alpha, probe_interval=auto.probe_interval)
+    return SpecController(StepCosts.load(cfg.engine.spec_calibration), settings)

@@ -9,6 +9,8 @@ for FastAPI to see request bodies.
 """
 
 import asyncio
+import dataclasses
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -30,12 +32,17 @@ from cluster.protocol import (
     RequestError,
     error_body,
 )
+from cluster.goodput import StepCosts
+from cluster.pools import PoolLoad, TrackedStream
 from cluster.replica import EngineRequest, Failed, Started
 from cluster.responses import ChatFormat, CompletionFormat, sse, stats_of, usage_of
+from cluster.serve_state import replica_counts
 
 log = logging.getLogger("ray.serve")
 
 HEALTH_TIMEOUT_S = 10.0
+REPLICA_COUNTS_TIMEOUT_S = 2.0
+POOL_REFRESH_S = 1.0
 
 api = FastAPI(title="rdserve", description="OpenAI-compatible LLM serving with ReDrafter speculative decoding.")
 
@@ -71,19 +78,52 @@ def _failed_response(failed: Failed) -> JSONResponse:
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=256)
 @serve.ingress(api)
 class OpenAIIngress:
-    def __init__(self, engine: DeploymentHandle, model_name: str):
-        self.engine = engine
+    """``engine``: the engine deployment's handle, or in two-pool mode ``{"spec": handle, "plain":
+    handle}`` with ``pool_policy`` ``{"calibration": path, "shape": [num_beams, draft_len_per_beam]}``
+    (the spec pool's shape); each request then goes to the pool :mod:`cluster.pools` chooses."""
+
+    def __init__(self, engine: DeploymentHandle | dict, model_name: str, pool_policy: dict | None = None):
+        self.engines = engine if isinstance(engine, dict) else {"engine": engine}
+        self.engine = next(iter(self.engines.values()))  # health's engine stats (the spec pool's with pools)
         self.model_name = model_name
         self.created = int(time.time())
+        self.app_name = serve.get_replica_context().app_name
+        self.pools = {name: h.deployment_name for name, h in self.engines.items()}  # for the replica counts
+        self.pool_load = None
+        self._refresh = None
+        if pool_policy is not None:
+            self.pool_load = PoolLoad(StepCosts.load(pool_policy["calibration"]), tuple(pool_policy["shape"]))
+
+    async def _refresh_pools(self) -> None:
+        """Two-pool mode: every ``POOL_REFRESH_S``, the pools' running replicas and the spec pool's
+        live tokens per step (what :meth:`PoolLoad.choose` weighs besides the ingress's own counts)."""
+        while True:
+            counts = await replica_counts(self.app_name, self.pools, REPLICA_COUNTS_TIMEOUT_S)
+            for pool, count in (counts or {}).items():
+                self.pool_load.replicas[pool] = max(1, count["running"])
+            try:
+                stats = await asyncio.wait_for(self.engines["spec"].record_routing_stats.remote(), REPLICA_COUNTS_TIMEOUT_S)
+                self.pool_load.tau = stats.get("tau") or self.pool_load.tau
+            except Exception as err:  # keep the last estimate; the next refresh tries again
+                log.warning("spec pool stats unavailable: %s", err)
+            await asyncio.sleep(POOL_REFRESH_S)
 
     @api.get("/health")
     async def health(self) -> JSONResponse:
-        """200 when an engine replica answers within ``HEALTH_TIMEOUT_S``, with its load; else 503."""
+        """200 when an engine replica answers within ``HEALTH_TIMEOUT_S``, with its load; else 503.
+
+        Both carry ``replicas``: ``{pool: {running, starting, stopping, target}}`` from Serve's
+        controller (null when it does not answer within ``REPLICA_COUNTS_TIMEOUT_S``).
+        """
+        replicas = asyncio.ensure_future(replica_counts(self.app_name, self.pools, REPLICA_COUNTS_TIMEOUT_S))
         try:
             stats = await asyncio.wait_for(self.engine.stats.remote(), HEALTH_TIMEOUT_S)
         except Exception as err:
-            return JSONResponse({"status": "unavailable", "error": str(err)}, status_code=503)
-        return JSONResponse({"status": "ok", "model": self.model_name, **stats})
+            return JSONResponse({"status": "unavailable", "error": str(err), "replicas": await replicas},
+                                status_code=503)
+        pools = None if self.pool_load is None else {"in_flight": self.pool_load.in_flight, "spec_tau": self.pool_load.tau}
+        return JSONResponse({"status": "ok", "model": self.model_name, **stats, "replicas": await replicas,
+                             **({"pools": pools} if pools else {})})
 
     @api.get("/v1/models")
     async def models(self) -> ModelList:
@@ -113,7 +153,17 @@ class OpenAIIngress:
 
     async def _respond(self, req: EngineRequest, body: ChatCompletionRequest | CompletionRequest,
                        fmt: ChatFormat | CompletionFormat):
-        stream: DeploymentResponseGenerator = self.engine.options(stream=True).generate.remote(req)
+        handle, pool, reason = self.engine, None, None
+        if self.pool_load is not None:
+            if self._refresh is None:
+                self._refresh = asyncio.ensure_future(self._refresh_pools())
+            pool, reason = (req.mode, f"pool {req.mode}: requested") if req.mode in ("spec", "plain") \
+                else self.pool_load.choose()
+            handle, req = self.engines[pool], dataclasses.replace(req, mode=pool)
+        stream: DeploymentResponseGenerator = handle.options(stream=True).generate.remote(req)
+        if pool is not None:
+            self.pool_load.started(pool)
+            stream = TrackedStream(stream, functools.partial(self.pool_load.finished, pool))
         try:
             started = await stream.__anext__()
         except BackPressureError as err:  # serve.max_queued_requests reached: retry later
@@ -123,7 +173,11 @@ class OpenAIIngress:
             log.exception("engine replica unavailable")
             return _failed_response(Failed(500, f"engine unavailable: {type(err).__name__}: {err}"))
         if isinstance(started, Failed):
+            if pool is not None:
+                stream.cancel()  # the request is over: count it out of its pool now
             return _failed_response(started)
+        if reason is not None:
+            started = dataclasses.replace(started, reason=f"{reason}; replica: {started.reason}")
         if body.stream:
             return StreamingResponse(self._events(stream, started, body.include_usage, fmt),
                                      media_type="text/event-stream")

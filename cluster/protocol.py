@@ -226,6 +226,7 @@ class RdserveStats(BaseModel):
     """How the request was decoded; counters as in ``workers.engine.GenerationDelta``.
 
     tokens_per_step: mean (accepted draft tokens + 1) per generation step (1.0 for plain decoding).
+    replica: the Ray Serve id of the engine replica that served the request.
     """
 
     mode: Literal["spec", "plain"]
@@ -233,6 +234,7 @@ class RdserveStats(BaseModel):
     num_steps: int
     accepted_draft_tokens: int
     tokens_per_step: float
+    replica: str | None = None
 
 
 class AssistantMessage(BaseModel):

@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 
 from ray import serve
+from ray.serve.exceptions import RayServeException
 
 from cluster.config import RdserveConfig
 from cluster.local_engine import build_engine
 from cluster.protocol import RequestError, check_prompt_chars, resolve_max_tokens
+from cluster.replica_stats import TtftWindow, engine_stats
 from cluster.router import choose_mode
 from workers.async_engine import AsyncEngine, EngineFailure
 from workers.engine import GenerationDelta
@@ -46,11 +49,13 @@ class EngineRequest:
 
 @dataclass(frozen=True)
 class Started:
-    """First stream item of an accepted request: prompt size and the router's decision."""
+    """First stream item of an accepted request (sent with its first token, right before it): prompt
+    size, the router's decision, and the Serve id of the replica that serves it."""
 
     prompt_tokens: int
     mode: str
     reason: str
+    replica: str
 
 
 @dataclass(frozen=True)
@@ -62,15 +67,26 @@ class Failed:
     param: str | None = None
 
 
+def serve_replica_id() -> str:
+    """This replica's Ray Serve id (``ReplicaID.unique_id``), or ``"local"`` outside Serve."""
+    try:
+        return serve.get_replica_context().replica_id.unique_id
+    except RayServeException:
+        return "local"
+
+
 @serve.deployment
 class EngineReplica:
     """Ray Serve deployment; ``generate`` streams ``Started``, then engine deltas, or one ``Failed``."""
 
     def __init__(self, cfg: RdserveConfig):
-        self.engine = build_engine(cfg)
-        self.async_engine = AsyncEngine(self.engine)
+        self.async_engine = AsyncEngine(lambda: build_engine(cfg))  # built on the engine's own thread
+        self.engine = self.async_engine.engine
         self.router = cfg.router
+        self.per_iteration = cfg.engine.spec_schedule == "auto"
         self.load = 0
+        self.ttft = TtftWindow()
+        self.replica_id = serve_replica_id()
         log.info("%s", self.engine.kv_size)
         log.info("engine ready: model %s, drafter %s", cfg.model.path or "default", cfg.drafter.path)
 
@@ -83,6 +99,16 @@ class EngineReplica:
         failure = self.engine.executor.failure
         if failure is not None:
             raise RuntimeError(f"engine executor failed: {failure}")
+
+    def record_routing_stats(self) -> dict:
+        """Ray Serve's routing-stats hook: see :mod:`cluster.replica_stats`."""
+        return engine_stats(self.engine, self.load, self.async_engine.step_s, self.engine.spec_policy.stats(),
+                            self.ttft.p90())
+
+    def record_autoscaling_stats(self) -> dict:
+        """Ray Serve's custom autoscaling metrics hook (the same numbers, see :mod:`cluster.replica_stats`)."""
+        stats = self.record_routing_stats()
+        return {k: v for k, v in stats.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
     def stats(self) -> dict:
         """``load`` (requests held: decoding or queued), ``speculative_available``, and the paged KV
@@ -125,13 +151,18 @@ class EngineReplica:
         except ValueError as err:  # e.g. no chat template
             yield Failed(400, f"{prompt_field}: {err}", prompt_field)
             return
-        mode, reason = choose_mode(self.load, req.mode, self.router, self.engine.speculative_available)
+        mode, reason = choose_mode(self.load, req.mode, self.router, self.engine.speculative_available,
+                                   self.per_iteration)
         log.info("request: %d prompt tokens, max_tokens %d, mode %s (%s)", len(prompt_ids), max_tokens, mode, reason)
-        yield Started(len(prompt_ids), mode, reason)
         params = replace(req.sampling, max_tokens=max_tokens)
+        start, first = time.monotonic(), True
         try:
             async with contextlib.aclosing(self.async_engine.generate(prompt_ids, params, mode)) as deltas:
                 async for delta in deltas:
+                    if first:  # Started goes out with the first token: nothing else crosses Ray during prefill,
+                        self.ttft.add(time.monotonic() - start)  # and a request the engine rejects is a clean 400
+                        yield Started(len(prompt_ids), mode, reason, self.replica_id)
+                        first = False
                     yield delta
         except ValueError as err:  # rejected by the engine (e.g. more than the KV cache can hold)
             yield Failed(400, f"{prompt_field}: {err}", prompt_field)

@@ -36,10 +36,10 @@ def usage_of(last) -> Usage:
 
 
 def stats_of(started: Started, last) -> RdserveStats:
-    """Router decision plus speculation counters from the final engine delta."""
+    """Router decision and serving replica, plus speculation counters from the final engine delta."""
     return RdserveStats(mode=started.mode, reason=started.reason, num_steps=last.num_steps,
                         accepted_draft_tokens=last.accepted_draft_tokens,
-                        tokens_per_step=round(last.tokens_per_step, 4))
+                        tokens_per_step=round(last.tokens_per_step, 4), replica=started.replica)
 
 
 def sse(payload: BaseModel | dict) -> str:

@@ -13,12 +13,16 @@ MODES = ("auto", "spec", "plain")
 
 
 def choose_mode(
-    load: int, requested: str | None, cfg: RouterConfig, speculative_available: bool
+    load: int, requested: str | None, cfg: RouterConfig, speculative_available: bool,
+    per_iteration: bool = False,
 ) -> tuple[str, str]:
     """Decide ``("spec" | "plain", reason)`` for one request.
 
     load: requests the replica holds (running + queued), counting this one, so ``load >= 1``.
     requested: the request's ``rdserve.mode``; None falls back to ``cfg.default_mode``.
+    per_iteration: the engine runs the goodput model (``engine.spec_schedule: auto``); an ``auto``
+    request may then speculate, and the engine decides each iteration whether it drafts (plain at
+    high load or while its own acceptance is below break-even).
     A forced ``spec`` without a drafter degrades to plain (the reason says so) rather than failing.
     """
     mode = requested or cfg.default_mode
@@ -31,6 +35,9 @@ def choose_mode(
         return "spec", f"{source} spec"
     if mode == "plain":
         return "plain", f"{source} plain"
+    if per_iteration:
+        return "spec", "auto: the goodput model picks plain or a draft-tree shape every iteration " \
+                       "(engine.spec_schedule auto)"
     if load <= cfg.spec_max_load:
         return "spec", f"auto: load {load} <= spec_max_load {cfg.spec_max_load}"
     return "plain", f"auto: load {load} > spec_max_load {cfg.spec_max_load}"

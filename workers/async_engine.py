@@ -1,7 +1,15 @@
 """Asynchronous engine API: submit a request, stream its deltas, abort it by request id.
 
 The :class:`~workers.engine.Engine` is synchronous and not thread-safe, so one background thread owns
-it: it drains submitted commands (new requests, aborts, calls such as tokenization) between
+it. That thread also *builds* it, and is the only thread of the process that runs the model: the
+OpenMP runtime (libgomp, shared by torch and our kernels) keeps one worker pool per calling thread,
+and with a second pool alive (say, the main thread loaded the model) it counts more threads than
+cores, so its workers stop spin-waiting and sleep on a futex between the hundreds of small parallel
+regions of each step: measured, about 300 context switches per token and 10-30% slower decoding
+(``benchmarks/served_vs_engine.py``). OpenMP's thread count is per calling thread too, so Ray's
+``OMP_NUM_THREADS=1`` for actors would otherwise leave the engine thread on one core.
+
+The engine thread drains submitted commands (new requests, aborts, calls such as tokenization) between
 iterations and runs :meth:`Engine.step` while any request is unfinished. asyncio callers receive
 their deltas through per-request queues. A request whose consumer stops early (a client that
 disconnected) is aborted, and its KV blocks are free at the next iteration. An exception inside an
@@ -16,6 +24,7 @@ import itertools
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 
@@ -30,17 +39,25 @@ class EngineFailure(RuntimeError):
 
 
 class AsyncEngine:
-    """Owns an :class:`Engine` on a background thread (started at construction)."""
+    """Builds an :class:`Engine` with ``build()`` on a background thread and runs it there.
 
-    def __init__(self, engine: Engine):
-        self.engine = engine
+    The constructor returns once the engine is built.
+
+    Raises:
+        Exception: whatever ``build()`` raised (the thread has then ended).
+    """
+
+    def __init__(self, build: Callable[[], Engine]):
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._sinks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._ids = itertools.count()
         self._stopped = False
-        self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
+        self.step_s = 0.0  # moving average of seconds per iteration (weight 0.1), for routing stats
+        built: Future = Future()
+        self._thread = threading.Thread(target=self._run, args=(build, built), name="engine", daemon=True)
         self._thread.start()
+        self.engine: Engine = built.result()
 
     @property
     def num_requests(self) -> int:
@@ -128,6 +145,16 @@ class AsyncEngine:
                 except Exception as err:  # handed to the caller
                     future.set_exception(err)
 
+    def _run(self, build: Callable[[], Engine], built: Future) -> None:
+        try:
+            engine = build()
+        except BaseException as err:  # handed to the constructor
+            built.set_exception(err)
+            return
+        self.engine = engine
+        built.set_result(engine)
+        self._loop()
+
     def _loop(self) -> None:
         while not self._stopped:
             self._drain()
@@ -136,7 +163,10 @@ class AsyncEngine:
                 self._wake.clear()
                 continue
             try:
+                t0 = time.perf_counter()
                 deltas = self.engine.step()
+                dt = time.perf_counter() - t0
+                self.step_s = dt if not self.step_s else 0.9 * self.step_s + 0.1 * dt
             except Exception as err:
                 log.exception("engine iteration failed")
                 self._fail_all(EngineFailure(f"engine error: {type(err).__name__}: {err}"))

@@ -29,7 +29,7 @@ from workers.redrafter.drafter import load_drafter
 from workers.sampling import SamplingParams, make_generator
 from workers.scheduler import Scheduler, SchedulerConfig
 from workers.sequence import Sequence
-from workers.spec_schedule import fixed_schedule, validate_schedule
+from workers.spec_schedule import TablePolicy, fixed_schedule, validate_schedule
 from workers.stopping import OutputStream
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -69,7 +69,8 @@ class EngineOptions:
     num_beams, draft_len_per_beam: the draft-tree shape when ``spec_schedule`` is None (then used at
         every batch size).
     spec_schedule: ``"off"`` or rows ``{max_batch_size, num_beams, draft_len_per_beam}``
-        (:mod:`workers.spec_schedule`).
+        (:mod:`workers.spec_schedule`), or ``"auto"``: the engine is given a live policy
+        (``spec_policy``, built by ``cluster.local_engine`` from the goodput model).
     max_batch_size, max_num_tokens, max_prefill_chunk: scheduler budgets per iteration.
     tokens_per_block: paged KV-cache block size; num_kv_blocks or kv_cache_fraction (of memory
         available after loading the weights) sizes the cache; it is capped at what
@@ -101,11 +102,13 @@ class Engine:
     """
 
     def __init__(self, model_path: str, drafter_path: str | None, options: EngineOptions | None = None,
-                 executor_factory=None, **overrides):
+                 executor_factory=None, spec_policy=None, **overrides):
         """``overrides``: :class:`EngineOptions` fields replacing those of ``options``.
 
         ``executor_factory(model, num_slots)`` builds the executor (default :class:`LocalExecutor`;
-        the tensor-parallel executor for ``tp_size > 1``).
+        the tensor-parallel executor for ``tp_size > 1``). ``spec_policy``: a speculation policy
+        with :class:`~workers.spec_schedule.TablePolicy`'s methods and ``shapes`` (needed when
+        ``spec_schedule`` is ``"auto"``).
         """
         opts = replace(options or EngineOptions(), **overrides)
         if opts.dtype not in DTYPES:
@@ -124,7 +127,11 @@ class Engine:
         self.drafter = None
         if drafter_path:
             self.drafter = load_drafter(drafter_path, model.lm_head.weight, dtype, opts.device)
-        if opts.spec_schedule is None:
+        if spec_policy is not None:
+            self.spec_policy = spec_policy
+        elif opts.spec_schedule == "auto":
+            raise ValueError("spec_schedule 'auto' needs a spec_policy (the goodput model; see cluster.local_engine)")
+        elif opts.spec_schedule is None:
             self.spec_schedule = fixed_schedule((opts.num_beams, opts.draft_len_per_beam), opts.max_batch_size)
         else:
             self.spec_schedule = validate_schedule(opts.spec_schedule)
@@ -145,8 +152,7 @@ class Engine:
     def _size_cache(self, cfg, dtype) -> KVCacheSize:
         opts = self.options
         per_token = kv_bytes_per_token(cfg, dtype, opts.tp_size)
-        rows = [] if self.spec_schedule == "off" else self.spec_schedule
-        max_tree = max((r.num_beams * r.draft_len_per_beam for r in rows), default=0)
+        max_tree = max((b * d for b, d in self.spec_policy.shapes), default=0)
         need_tokens = opts.max_batch_size * (self.max_seq_len + max_tree + opts.tokens_per_block)
         cap = -(-need_tokens // opts.tokens_per_block)
         if opts.num_kv_blocks is not None:
@@ -154,6 +160,15 @@ class Engine:
         size = size_kv_cache(per_token, opts.tokens_per_block, kv_cache_fraction=opts.kv_cache_fraction,
                              free_bytes=_free_memory_bytes(self.device))
         return replace(size, num_blocks=min(size.num_blocks, cap))
+
+    @property
+    def spec_schedule(self):
+        """The fixed speculation table in use, or ``"auto"`` for a live policy."""
+        return self.spec_policy.table if isinstance(self.spec_policy, TablePolicy) else "auto"
+
+    @spec_schedule.setter
+    def spec_schedule(self, table) -> None:
+        self.spec_policy = TablePolicy(validate_schedule(table))
 
     @property
     def speculative_available(self) -> bool:
@@ -193,6 +208,7 @@ class Engine:
         seq.extra["state"] = RequestState(params, generator)
         seq.extra["stream"] = OutputStream(self.tokenizer, params, self.eos_token_ids)
         seq.extra["steps"] = seq.extra["accepted"] = 0
+        seq.extra["spec_state"] = self.spec_policy.new_request_state()
         self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> bool:
@@ -202,7 +218,7 @@ class Engine:
     @torch.inference_mode()
     def step(self) -> list[GenerationDelta]:
         """Run one iteration; returns a delta for each request that emitted tokens (or finished)."""
-        plan = self.scheduler.schedule(self.spec_schedule)
+        plan = self.scheduler.schedule(self.spec_policy)
         if not plan.context and not plan.generation:
             return []
         limits = {}
@@ -218,6 +234,10 @@ class Engine:
             emitted = len(stream.token_ids)
             out = stream.append(r.tokens)
             if r.generation_step:
+                limit = limits.get(seq.request_id, 0)
+                if limit == 0 or limit == plan.spec_shape[1]:  # a tree cut short by max_tokens tells nothing
+                    self.spec_policy.observe(seq.extra["spec_state"], plan.spec_shape, limit > 0,
+                                             r.accepted_draft_tokens)
                 seq.extra["steps"] += 1
                 # accepted draft tokens that were emitted (a stop inside the block drops the rest)
                 seq.extra["accepted"] += min(r.accepted_draft_tokens, len(stream.token_ids) - emitted)

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 from workers.block_manager import BlockManager
 from workers.sequence import Sequence, SequenceStatus
-from workers.spec_schedule import Shape, SpecSchedule, choose_shape
+from workers.spec_schedule import Shape, SpecSchedule, TablePolicy
 
 
 @dataclass(frozen=True)
@@ -145,15 +145,23 @@ class Scheduler:
         del self._by_id[seq.request_id]
         return seq
 
-    def schedule(self, spec_schedule: SpecSchedule = "off") -> SchedulePlan:
-        """Plan one iteration (see the module docstring); ``spec_schedule`` must be validated."""
+    def schedule(self, spec: SpecSchedule | TablePolicy = "off") -> SchedulePlan:
+        """Plan one iteration (see the module docstring).
+
+        ``spec``: a validated speculation table, or a policy (:class:`TablePolicy`, or the live
+        goodput model) that gives the shape for the number of generation requests and whether each
+        speculative request drafts (``policy.drafts(seq.extra.get("spec_state"), b, shape)``).
+        """
+        policy = spec if hasattr(spec, "shape_for") else TablePolicy(spec)
         plan = SchedulePlan()
         generating = [s for s in self.running if not s.is_prefill]
-        shape = choose_shape(spec_schedule, len(generating))
+        shape = policy.shape_for(len(generating))
         tree_tokens = shape[0] * shape[1] if shape else 0
         for seq in generating:
             if seq.status is SequenceStatus.RUNNING:
-                self._plan_generation(seq, tree_tokens, plan)
+                drafts = bool(tree_tokens) and seq.speculative and policy.drafts(
+                    seq.extra.get("spec_state"), len(generating), shape)
+                self._plan_generation(seq, tree_tokens if drafts else 0, plan)
         self._plan_context_phase(plan)
         plan.spec_shape = shape if any(plan.draft_tokens) else None  # preemption may drop trees
         return plan

@@ -154,3 +154,44 @@ def derive_schedule(
     while rows and rows[-1].shape is None:
         rows.pop()
     return rows or "off"
+
+
+class TablePolicy:
+    """A fixed speculation schedule as the engine's speculation policy.
+
+    The engine asks its policy, every iteration: :meth:`shape_for` the number of generation
+    requests; :meth:`drafts`, per speculative request, whether it drafts now; after the iteration
+    :meth:`observe` each generation step. A table answers from its rows alone; the live goodput
+    model (``engine.spec_schedule: auto``, :mod:`cluster.spec_controller`) has the same methods.
+    """
+
+    def __init__(self, table: SpecSchedule, ema_alpha: float = 0.05):
+        self.table = table  # validated (see validate_schedule)
+        self.ema_alpha = ema_alpha
+        self._last_shape: Shape | None = None
+        self._tau: float | None = None
+
+    @property
+    def shapes(self) -> list[Shape]:
+        return [] if self.table == "off" else [r.shape for r in self.table if r.shape]
+
+    def shape_for(self, b: int) -> Shape | None:
+        self._last_shape = choose_shape(self.table, b)
+        return self._last_shape
+
+    def new_request_state(self) -> dict:
+        return {}
+
+    def drafts(self, state: dict | None, b: int, shape: Shape) -> bool:
+        return True
+
+    def observe(self, state: dict | None, shape: Shape | None, drafted: bool, accepted: int) -> None:
+        """Keeps a moving average of tokens per drafted step (weight ``ema_alpha``), for stats."""
+        if drafted:
+            tokens = 1.0 + accepted
+            self._tau = tokens if self._tau is None else (1 - self.ema_alpha) * self._tau + self.ema_alpha * tokens
+
+    def stats(self) -> dict:
+        """``shape`` of the last iteration (``"BxD"`` or None) and ``tau`` (None before any draft)."""
+        shape = self._last_shape
+        return {"shape": None if shape is None else f"{shape[0]}x{shape[1]}", "tau": self._tau}

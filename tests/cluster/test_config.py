@@ -68,6 +68,16 @@ def test_relative_paths_resolve_against_the_config_directory(tmp_path):
         ("router: {default_mode: fast}", "router.default_mode"),
         ("router: {spec_max_load: -1}", "router.spec_max_load"),
         ("serve: {replicas: 0}", "serve.replicas"),
+        ("serve: {autoscaling: {min_replicas: 3, max_replicas: 2}}",
+         "serve.autoscaling.max_replicas: Value error, must be >= min_replicas"),
+        ("serve: {autoscaling: {min_replicas: 0}}", "serve.autoscaling.min_replicas"),
+        ("serve: {autoscaling: {metrics_interval_s: 5, look_back_period_s: 5}}",
+         "serve.autoscaling.look_back_period_s: Value error, must be longer than metrics_interval_s"),
+        ("serve: {autoscaling: {kv_usage_target: 1.5}}", "serve.autoscaling.kv_usage_target"),
+        ("serve: {autoscaling: {target_ongoing_requests: 0}}", "serve.autoscaling.target_ongoing_requests"),
+        ("serve: {autoscaling: {slo_ttft_ms: -1}}", "serve.autoscaling.slo_ttft_ms"),
+        ("serve: {autoscaling: {max_replica: 4}}", "serve.autoscaling.max_replica: Extra inputs are not permitted"),
+        ("serve: {num_cpus_per_replica: 0}", "serve.num_cpus_per_replica"),
         ("servr: {port: 1}", "servr: Extra inputs are not permitted"),
     ],
 )
@@ -107,3 +117,20 @@ def test_check_startable_names_the_field(tmp_path, data, field):
 
 def test_check_startable_accepts_the_defaults(tmp_path):
     check_startable(parse_config({}, tmp_path), cuda_available=False)
+
+
+def test_autoscaling_is_off_unless_configured(tmp_path):
+    assert load_config(write(tmp_path, "serve: {replicas: 2}\n")).serve.autoscaling is None
+    scaling = load_config(write(tmp_path, "serve: {autoscaling: {max_replicas: 4}}\n")).serve.autoscaling
+    assert (scaling.min_replicas, scaling.max_replicas, scaling.kv_usage_target, scaling.slo_ttft_ms) == (1, 4, 0.85, None)
+    assert scaling.look_back_period_s > scaling.metrics_interval_s and scaling.graceful_shutdown_timeout_s >= 600
+
+
+def test_autoscale_yaml_scales_one_to_two_replicas_quickly():
+    cfg = load_config(REPO / "configs" / "autoscale.yaml")
+    scaling = cfg.serve.autoscaling
+    assert (scaling.min_replicas, scaling.max_replicas) == (1, 2)
+    assert scaling.upscale_delay_s + scaling.downscale_delay_s + scaling.look_back_period_s <= 120
+    local = load_config(REPO / "configs" / "local.yaml")
+    assert (cfg.model, cfg.drafter, cfg.engine.model_dump(exclude={"num_threads"})) == (
+        local.model, local.drafter, local.engine.model_dump(exclude={"num_threads"}))

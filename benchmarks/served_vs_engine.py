@@ -1,0 +1,211 @@
+"""Served over HTTP vs the same engine in process: output tokens/s and time to first token.
+
+Side by side in one run, same config, same prompts, greedy:
+- **engine**: an ``Engine`` built and stepped on this process's main thread (what ``rdserve
+  generate`` does), fed closed loop: ``c`` requests in flight, the next one added when one ends;
+- **served**: ``rdserve up --config CONFIG`` started as a subprocess, driven over HTTP by the
+  streaming load generator (``cluster.evaluation.loadgen``), closed loop with ``c`` clients.
+
+For each mode (``rdserve.mode`` plain / spec) and concurrency ``c``: output tokens/s over the run
+(completion tokens / wall time) and TTFT p50; engine and served runs alternate for ``--rounds``
+rounds (both live in memory at once, one idles while the other runs), so machine drift hits both. Then TTFT at low load: a short chat prompt with
+``max_tokens`` 1, sent ``--ttft-runs`` times one after another (engine: from ``add_request`` to the
+first delta; served: from sending the HTTP request to the first streamed content chunk). Prints a
+Markdown table and writes JSON.
+
+Usage:
+    python benchmarks/served_vs_engine.py --config configs/local.yaml \
+        --prompts ../shared/datasets/broad/dev.jsonl --num-prompts 9 --max-tokens 128 \
+        --concurrency 1,16 --out benchmarks/results/served_vs_engine
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from cluster.config import load_config
+from cluster.evaluation.loadgen import LoadSpec, run_load
+from cluster.evaluation.prompts import PromptRow, load_prompts
+from cluster.local_engine import build_engine
+from workers.engine import Engine
+from workers.sampling import SamplingParams
+
+TTFT_PROMPT = [{"role": "user", "content": "Hi! What is your name?"}]
+
+
+def engine_closed_loop(engine: Engine, prompts: list[list[int]], num_requests: int, concurrency: int,
+                       mode: str, max_tokens: int) -> dict:
+    """Closed loop on the engine itself: ``concurrency`` requests in flight; returns tokens/s and TTFTs."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    start, first, tokens = {}, {}, 0
+    issued = done = 0
+    t0 = time.perf_counter()
+
+    def issue() -> None:
+        nonlocal issued
+        rid = f"r{issued}"
+        start[rid] = time.perf_counter()
+        engine.add_request(rid, prompts[issued % len(prompts)], params, mode)
+        issued += 1
+
+    while issued < min(concurrency, num_requests):
+        issue()
+    while done < num_requests:
+        for d in engine.step():
+            if d.token_ids and d.request_id not in first:
+                first[d.request_id] = time.perf_counter() - start[d.request_id]
+            if d.finished:
+                done += 1
+                tokens += d.completion_tokens
+                if issued < num_requests:
+                    issue()
+    wall = time.perf_counter() - t0
+    return {"output_tokens": tokens, "duration_s": wall, "output_throughput": tokens / wall,
+            "ttft_p50_ms": 1e3 * statistics.median(first.values())}
+
+
+def engine_ttft(engine: Engine, runs: int) -> list[float]:
+    """Seconds from ``add_request`` to the first delta, short chat prompt, max_tokens 1, one at a time."""
+    out = []
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        ids = engine.encode_chat(TTFT_PROMPT)  # the server tokenizes too
+        next(iter(engine.generate(ids, params, "plain")))
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def start_server(config: str, base_url: str, timeout_s: float = 300.0) -> subprocess.Popen:
+    """``rdserve up`` in a new session (so its whole process group can be stopped); waits for /health."""
+    rdserve = Path(sys.executable).with_name("rdserve")
+    proc = subprocess.Popen([str(rdserve), "up", "--config", config], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"rdserve up exited with {proc.returncode} (is the port in use?)")
+        try:
+            if httpx.get(f"{base_url}/health", timeout=2.0).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(1.0)
+    stop_server(proc)
+    raise TimeoutError(f"{base_url}/health not ready after {timeout_s:.0f} s")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    os.killpg(proc.pid, signal.SIGINT)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def served_run(base_url: str, model: str, rows: list[PromptRow], num_requests: int, concurrency: int,
+               mode: str, max_tokens: int) -> dict:
+    spec = LoadSpec(model=model, max_tokens=max_tokens, mode=mode, concurrency=concurrency,
+                    max_requests=num_requests, duration_s=3600.0, grace_s=60.0)
+    summary = run_load(base_url, rows, spec, progress=False).summary()
+    if summary["failed"]:
+        raise RuntimeError(f"{summary['failed']} requests failed at {mode} c={concurrency}")
+    return {"output_tokens": summary["output_tokens"], "duration_s": summary["duration_s"],
+            "output_throughput": summary["output_throughput"], "ttft_p50_ms": summary["ttft_ms"]["p50"]}
+
+
+def served_ttft(base_url: str, model: str, runs: int) -> list[float]:
+    row = PromptRow(category="ttft", messages=TTFT_PROMPT)
+    spec = LoadSpec(model=model, max_tokens=1, mode="plain", concurrency=1, max_requests=runs,
+                    duration_s=3600.0, grace_s=60.0)
+    return [r.ttft_s for r in run_load(base_url, [row], spec, progress=False).records if r.ok]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default="configs/local.yaml", help="rdserve config served and run in process")
+    ap.add_argument("--prompts", default=str(Path(__file__).resolve().parents[2] / "shared/datasets/broad/dev.jsonl"),
+                    help="prompt JSONL (chat rows)")
+    ap.add_argument("--num-prompts", type=int, default=9, help="first N chat prompts of the file")
+    ap.add_argument("--max-tokens", type=int, default=128, help="completion tokens per request (at most)")
+    ap.add_argument("--concurrency", default="1,16", help="comma-separated closed-loop concurrency levels")
+    ap.add_argument("--modes", default="plain,spec", help="comma-separated rdserve.mode values")
+    ap.add_argument("--ttft-runs", type=int, default=20, help="sequential max_tokens=1 requests for TTFT, per round")
+    ap.add_argument("--rounds", type=int, default=2, help="engine and served runs alternate this many times; the "
+                    "median run of each is reported")
+    ap.add_argument("--out", default="benchmarks/results/served_vs_engine", help="output path without suffix")
+    args = ap.parse_args()
+
+    cfg = load_config(args.config)
+    base_url = f"http://127.0.0.1:{cfg.serve.port}"
+    rows = [r for r in load_prompts(args.prompts) if r.messages is not None][: args.num_prompts]
+    levels = [int(c) for c in args.concurrency.split(",")]
+    modes = args.modes.split(",")
+    results: dict = {"engine": {}, "served": {}}
+
+    proc = start_server(args.config, base_url)  # first, so the engine below is built after Ray's start-up
+    try:
+        engine = build_engine(cfg)
+        ids = [engine.encode_chat(r.messages) for r in rows]
+        engine_closed_loop(engine, ids, 2, 2, "spec", 16)  # warm-up
+        served_run(base_url, cfg.model.name, rows[:2], 2, 2, "spec", 16)
+        runs: dict = {"engine": {}, "served": {}}
+        for rnd in range(args.rounds):  # engine and served alternate, so machine drift hits both alike
+            for mode in modes:
+                for c in levels:
+                    n = max(len(rows), 2 * c)
+                    key = f"{mode} c={c}"
+                    e = engine_closed_loop(engine, ids, n, c, mode, args.max_tokens)
+                    s = served_run(base_url, cfg.model.name, rows, n, c, mode, args.max_tokens)
+                    runs["engine"].setdefault(key, []).append(e)
+                    runs["served"].setdefault(key, []).append(s)
+                    print(f"round {rnd + 1} {key}: engine {e['output_throughput']:.1f} tok/s, served "
+                          f"{s['output_throughput']:.1f} tok/s", flush=True)
+            results["engine"].setdefault("ttft_s", []).extend(engine_ttft(engine, args.ttft_runs))
+            results["served"].setdefault("ttft_s", []).extend(served_ttft(base_url, cfg.model.name, args.ttft_runs))
+        for side in ("engine", "served"):
+            for key, rs in runs[side].items():  # the median run by throughput
+                results[side][key] = sorted(rs, key=lambda r: r["output_throughput"])[len(rs) // 2]
+                results[side][key]["runs_tok_s"] = [r["output_throughput"] for r in rs]
+        engine.close()
+    finally:
+        stop_server(proc)
+
+    flags = {k: v for k, v in os.environ.items() if k.startswith("RAY_SERVE_")}
+    lines = [f"config {args.config}, {len(rows)} prompts from {Path(args.prompts).name}, greedy, "
+             f"max_tokens {args.max_tokens}, median of {args.rounds} alternating rounds"
+             + (f", server env {flags}" if flags else ""), "",
+             "| mode | concurrency | engine tok/s | served tok/s | served / engine | engine TTFT p50 ms | served TTFT p50 ms |",
+             "|---|---|---|---|---|---|---|"]
+    for mode in modes:
+        for c in levels:
+            e, s = results["engine"][f"{mode} c={c}"], results["served"][f"{mode} c={c}"]
+            ratio = s["output_throughput"] / e["output_throughput"]
+            results["served"][f"{mode} c={c}"]["vs_engine"] = ratio
+            lines.append(f"| {mode} | {c} | {e['output_throughput']:.1f} | {s['output_throughput']:.1f} | "
+                         f"{ratio:.2f}x | {e['ttft_p50_ms']:.0f} | {s['ttft_p50_ms']:.0f} |")
+    e_ttft = 1e3 * statistics.median(results["engine"]["ttft_s"])
+    s_ttft = 1e3 * statistics.median(results["served"]["ttft_s"])
+    lines += ["", f"TTFT at low load (short chat prompt, max_tokens 1, {args.ttft_runs} sequential requests, p50): "
+              f"engine {e_ttft:.1f} ms, served {s_ttft:.1f} ms (+{s_ttft - e_ttft:.1f} ms)"]
+    table = "\n".join(lines)
+    print(table)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
+    out.with_suffix(".md").write_text(table + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,161 @@
+"""Speculation policies over real HTTP: always-spec, always-plain, the calibrated table, the goodput model.
+
+One Ray Serve instance, one application per policy (same model, drafter and engine settings; each
+replica idles while another is measured), driven by the streaming load generator closed loop at each
+concurrency level, policies interleaved level by level so machine drift hits them alike:
+
+- ``spec``: every request drafts with the config's default shape at every batch size;
+- ``plain``: no request drafts;
+- ``table``: the config's calibrated ``engine.spec_schedule`` with ``router.spec_max_load``;
+- ``auto``: ``engine.spec_schedule: auto`` (the goodput model, ``cluster.goodput``) with
+  ``--calibration``.
+
+Prompts: a mix of ``broad/dev.jsonl``, GSM8K and HumanEval (``--mix broad``), or summarization rows
+of ``broad/dev.jsonl`` only (``--mix summarization``: low acceptance). Output tokens/s and goodput
+(requests/s meeting every SLO, vLLM's definition) per level; the table also gives auto against the
+best fixed policy at each level and over the whole ramp.
+
+Usage:
+    python benchmarks/spec_policies.py --config configs/local.yaml \
+        --calibration configs/local.calibration.json --concurrency 1,2,4,8,16,32 \
+        --max-tokens 64 --out benchmarks/results/spec_policies
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import socket
+from pathlib import Path
+
+from cluster.config import load_config
+from cluster.evaluation.loadgen import LoadSpec, run_load
+from cluster.evaluation.metrics import Slo
+from cluster.evaluation.prompts import PromptRow, load_prompts
+
+POLICIES = ("spec", "plain", "table", "auto")
+DATASETS = Path(__file__).resolve().parents[2] / "shared" / "datasets"
+
+
+def policy_config(cfg, policy: str, calibration: Path):
+    """The config for one policy (a copy; every path is already absolute)."""
+    eng, router = cfg.engine, cfg.router
+    if policy == "spec":
+        eng = eng.model_copy(update={"spec_schedule": None})
+        router = router.model_copy(update={"default_mode": "spec"})
+    elif policy == "plain":
+        router = router.model_copy(update={"default_mode": "plain"})
+    elif policy == "auto":
+        eng = eng.model_copy(update={"spec_schedule": "auto", "spec_calibration": calibration})
+        router = router.model_copy(update={"default_mode": "auto"})
+    elif policy == "table":
+        if eng.spec_schedule in (None, "auto"):
+            raise SystemExit(f"--config has no calibrated table (engine.spec_schedule: {eng.spec_schedule})")
+        router = router.model_copy(update={"default_mode": "auto"})
+    return cfg.model_copy(update={"engine": eng, "router": router})
+
+
+def prompt_mix(mix: str, datasets: Path) -> list[PromptRow]:
+    broad = [r for r in load_prompts(datasets / "broad" / "dev.jsonl") if r.messages is not None]
+    if mix == "summarization":
+        return [r for r in broad if r.category == "summarization"]
+    math = [PromptRow("math", messages=[{"role": "user", "content": json.loads(line)["question"]
+                                         + "\nSolve step by step."}])
+            for line in (datasets / "gsm8k" / "gsm8k_dev.jsonl").read_text().splitlines() if line.strip()]
+    code = [PromptRow("code", messages=[{"role": "user", "content": "Complete this Python function:\n\n"
+                                         + json.loads(line)["prompt"]}])
+            for line in (datasets / "humaneval" / "humaneval_dev.jsonl").read_text().splitlines() if line.strip()]
+    rows, i = [], 0
+    while len(rows) < 96:  # two broad rows, then one math, one code
+        rows += [broad[2 * i % len(broad)], broad[(2 * i + 1) % len(broad)], math[i % len(math)], code[i % len(code)]]
+        i += 1
+    return rows
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default="configs/local.yaml", help="base config (model, drafter, engine, table)")
+    ap.add_argument("--calibration", default="configs/local.calibration.json",
+                    help="`rdserve calibrate --out` JSON for the auto policy")
+    ap.add_argument("--policies", default=",".join(POLICIES), help=f"comma-separated subset of {POLICIES}")
+    ap.add_argument("--mix", choices=("broad", "summarization"), default="broad", help="prompt mix (see above)")
+    ap.add_argument("--datasets-dir", default=str(DATASETS), help="holds broad/, gsm8k/ and humaneval/")
+    ap.add_argument("--concurrency", default="1,2,4,8,16,32", help="closed-loop concurrency levels")
+    ap.add_argument("--requests-per-client", type=int, default=3, help="requests per level = this x concurrency "
+                    "(at least 8)")
+    ap.add_argument("--max-tokens", type=int, default=64, help="completion tokens per request (at most)")
+    ap.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="goodput SLO: time to first token")
+    ap.add_argument("--slo-tpot-ms", type=float, default=100.0, help="goodput SLO: time per output token")
+    ap.add_argument("--out", default="benchmarks/results/spec_policies", help="output path without suffix")
+    args = ap.parse_args()
+
+    import ray
+    from ray import serve
+
+    from cluster.app import deploy
+    from workers.models.pull import pull_default
+
+    cfg = load_config(args.config)
+    if cfg.model.path is None:
+        cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": pull_default()})})
+    policies = args.policies.split(",")
+    levels = [int(c) for c in args.concurrency.split(",")]
+    rows = prompt_mix(args.mix, Path(args.datasets_dir))
+    slo = Slo(ttft_ms=args.slo_ttft_ms, tpot_ms=args.slo_tpot_ms)
+    port = free_port()
+    ray.init(include_dashboard=False, logging_level=logging.WARNING, num_cpus=8)
+    results: dict = {p: {} for p in policies}
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        for p in policies:
+            deploy(policy_config(cfg, p, Path(args.calibration).resolve()), name=p, route_prefix=f"/{p}")
+        for c in levels:
+            for p in policies:
+                url = f"http://127.0.0.1:{port}/{p}"
+                run_load(url, rows[:2], LoadSpec(model=cfg.model.name, max_tokens=8, concurrency=1, max_requests=2),
+                         progress=False)  # warm-up
+                spec = LoadSpec(model=cfg.model.name, max_tokens=args.max_tokens, concurrency=c,
+                                max_requests=max(8, args.requests_per_client * c), duration_s=3600, grace_s=120)
+                s = run_load(url, rows, spec, progress=False).summary(slo)
+                results[p][c] = {k: s[k] for k in ("completed", "failed", "duration_s", "output_tokens",
+                                                    "output_throughput", "goodput", "tokens_per_step", "modes")}
+                results[p][c]["ttft_p50_ms"], results[p][c]["tpot_p50_ms"] = s["ttft_ms"]["p50"], s["tpot_ms"]["p50"]
+                print(f"c={c} {p}: {s['output_throughput']:.1f} tok/s, goodput {s['goodput']:.2f} req/s, "
+                      f"failed {s['failed']}", flush=True)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+    fixed = [p for p in policies if p != "auto"]
+    lines = [f"mix {args.mix}, {len(rows)} prompts, max_tokens {args.max_tokens}, SLO TTFT {args.slo_ttft_ms:.0f} ms "
+             f"TPOT {args.slo_tpot_ms:.0f} ms; output tokens/s (goodput req/s)", "",
+             "| concurrency | " + " | ".join(policies) + (" | auto / best fixed |" if "auto" in policies else " |"),
+             "|---" * (len(policies) + 1 + ("auto" in policies)) + "|"]
+    for c in levels:
+        cells = [f"{results[p][c]['output_throughput']:.1f} ({results[p][c]['goodput']:.2f})" for p in policies]
+        if "auto" in policies and fixed:
+            best = max(results[p][c]["output_throughput"] for p in fixed)
+            cells.append(f"{results['auto'][c]['output_throughput'] / best:.2f}x")
+        lines.append(f"| {c} | " + " | ".join(cells) + " |")
+    if "auto" in policies and fixed:
+        sums = {p: sum(results[p][c]["output_throughput"] for c in levels) for p in policies}
+        best_single = max(fixed, key=lambda p: sums[p])
+        lines += ["", f"summed over the ramp: " + ", ".join(f"{p} {sums[p]:.0f}" for p in policies)
+                  + f"; auto / best single fixed ({best_single}) = {sums['auto'] / sums[best_single]:.2f}x"]
+    table = "\n".join(lines)
+    print(table)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
+    out.with_suffix(".md").write_text(table + "\n")
+
+
+if __name__ == "__main__":
+    main()

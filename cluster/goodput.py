@@ -1,0 +1,185 @@
+"""The goodput model: expected output tokens/s of a replica, plain or speculative, at batch size b.
+
+One model answers "speculate or not, and how wide" for the engine (every iteration), for the
+replica router (expected completion time on each replica) and for two-pool mode (which pool):
+
+- plain decoding: ``b / t_plain(b)`` tokens/s;
+- speculation with draft-tree shape ``s = (num_beams, draft_len_per_beam)``:
+  ``b * tau(s) / t_spec(b, s)`` tokens/s,
+
+where ``t_plain`` and ``t_spec`` are seconds per generation step measured by ``rdserve calibrate``
+(its JSON, kept next to the config) and interpolated linearly in ``b``, and ``tau(s)`` is the mean
+tokens per step (accepted draft tokens + 1; ReDrafter arXiv 2403.09919 Sec. 4). ``tau`` is seeded
+from calibration and then follows the live traffic (:mod:`cluster.spec_controller`): the accepted
+draft tokens per step of every shape are scaled by the ratio observed on the shape in use, so
+traffic whose drafts are mostly rejected turns speculation down by itself.
+
+Pure functions and frozen data; no Ray, no torch.
+"""
+
+from __future__ import annotations
+
+import json
+from bisect import bisect_left
+from dataclasses import dataclass
+from pathlib import Path
+
+Shape = tuple[int, int]
+
+
+def parse_shape(text: str) -> Shape:
+    """``"6x3"`` -> ``(6, 3)``.
+
+    Raises:
+        ValueError: not ``NUM_BEAMSxDRAFT_LEN`` with both >= 1.
+    """
+    try:
+        beams, draft = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise ValueError(f"shape {text!r}: expected NUM_BEAMSxDRAFT_LEN, e.g. 2x2") from None
+    if beams < 1 or draft < 1:
+        raise ValueError(f"shape {text!r}: num_beams and draft_len_per_beam must be >= 1")
+    return beams, draft
+
+
+def interpolate(points: dict[int, float], x: float) -> float:
+    """Piecewise-linear ``points[b]`` at ``x``; beyond the ends, the nearest segment extended
+    (a single point is proportional to ``x`` above it: a step's cost grows with the batch).
+
+    Raises:
+        ValueError: no points.
+    """
+    if not points:
+        raise ValueError("no measured points to interpolate")
+    xs = sorted(points)
+    if len(xs) == 1:
+        return points[xs[0]] * max(1.0, x / xs[0])
+    i = min(max(bisect_left(xs, x), 1), len(xs) - 1)
+    x0, x1 = xs[i - 1], xs[i]
+    y0, y1 = points[x0], points[x1]
+    return max(y0 + (y1 - y0) * (x - x0) / (x1 - x0), 1e-9)
+
+
+@dataclass(frozen=True)
+class StepCosts:
+    """Measured step costs and calibration acceptance (``rdserve calibrate``'s JSON).
+
+    plain_s: batch size -> seconds per plain generation step.
+    spec_s: shape -> (batch size -> seconds per speculative step: drafting + tree verification).
+    tokens_per_step: shape -> mean tokens per step on the calibration prompts (the seed of ``tau``).
+    """
+
+    plain_s: dict[int, float]
+    spec_s: dict[Shape, dict[int, float]]
+    tokens_per_step: dict[Shape, float]
+
+    def __post_init__(self):
+        if not self.plain_s:
+            raise ValueError("calibration has no plain step times")
+        for shape in self.spec_s:
+            if shape not in self.tokens_per_step:
+                raise ValueError(f"calibration times shape {shape[0]}x{shape[1]} but has no tokens_per_step for it")
+        for table in (self.plain_s, *self.spec_s.values()):
+            for b, t in table.items():
+                if b < 1 or t <= 0:
+                    raise ValueError(f"calibration step time at batch {b} must be > 0 s, got {t}")
+
+    @property
+    def shapes(self) -> list[Shape]:
+        """Calibrated shapes, smallest tree first."""
+        return sorted(self.spec_s, key=lambda s: (s[0] * s[1], s))
+
+    def t_plain(self, b: float) -> float:
+        return interpolate(self.plain_s, b)
+
+    def t_spec(self, b: float, shape: Shape) -> float:
+        return interpolate(self.spec_s[shape], b)
+
+    @classmethod
+    def from_calibration(cls, data: dict) -> "StepCosts":
+        """From the JSON ``rdserve calibrate --out`` writes (``plain_step_s`` by batch,
+        ``spec_step_s`` by ``"batch:BxD"``, ``tokens_per_step`` by ``"BxD"``).
+
+        Raises:
+            ValueError: a missing section or a malformed key, naming it.
+        """
+        for key in ("plain_step_s", "spec_step_s", "tokens_per_step"):
+            if key not in data:
+                raise ValueError(f"calibration file has no {key!r}")
+        spec: dict[Shape, dict[int, float]] = {}
+        for key, seconds in data["spec_step_s"].items():
+            batch, _, shape = key.partition(":")
+            spec.setdefault(parse_shape(shape), {})[int(batch)] = float(seconds)
+        return cls(plain_s={int(b): float(t) for b, t in data["plain_step_s"].items()}, spec_s=spec,
+                   tokens_per_step={parse_shape(s): float(v) for s, v in data["tokens_per_step"].items()})
+
+    @classmethod
+    def load(cls, path: str | Path) -> "StepCosts":
+        """Read a calibration JSON file.
+
+        Raises:
+            ValueError: unreadable or malformed (the message names the file).
+        """
+        try:
+            return cls.from_calibration(json.loads(Path(path).read_text()))
+        except (OSError, json.JSONDecodeError, ValueError, TypeError, AttributeError) as err:
+            raise ValueError(f"{path}: not a usable calibration file: {err}") from None
+
+
+def plain_rate(costs: StepCosts, b: float) -> float:
+    """Expected output tokens/s of plain decoding at batch ``b``."""
+    return b / costs.t_plain(b)
+
+
+def spec_rate(costs: StepCosts, b: float, shape: Shape, tau: float) -> float:
+    """Expected output tokens/s of speculation with ``shape`` at batch ``b``, ``tau`` tokens per step."""
+    return b * tau / costs.t_spec(b, shape)
+
+
+def break_even_tau(costs: StepCosts, b: float, shape: Shape) -> float:
+    """Tokens per step at which a speculative step with ``shape`` yields as much as a plain step:
+    ``t_spec(b, s) / t_plain(b)``. A request accepting less slows its batch down."""
+    return costs.t_spec(b, shape) / costs.t_plain(b)
+
+
+def live_taus(costs: StepCosts, observed_shape: Shape | None, observed_tau: float | None) -> dict[Shape, float]:
+    """``tau`` for every calibrated shape given what the traffic shows on one of them.
+
+    Accepted draft tokens per step (``tau - 1``) of every shape are scaled by the observed shape's
+    ratio ``(observed_tau - 1) / (calibrated_tau - 1)``; without an observation, calibration.
+    """
+    calib = costs.tokens_per_step
+    if observed_shape is None or observed_tau is None or observed_shape not in calib or calib[observed_shape] <= 1:
+        return dict(calib)
+    factor = max(observed_tau - 1.0, 0.0) / (calib[observed_shape] - 1.0)
+    return {s: 1.0 + (t - 1.0) * factor for s, t in calib.items()}
+
+
+@dataclass(frozen=True)
+class Choice:
+    """A decision: ``shape`` None means plain decoding; ``rate`` its expected tokens/s."""
+
+    shape: Shape | None
+    rate: float
+
+
+def rate_of(costs: StepCosts, b: float, shape: Shape | None, taus: dict[Shape, float]) -> float:
+    return plain_rate(costs, b) if shape is None else spec_rate(costs, b, shape, taus[shape])
+
+
+def best_choice(costs: StepCosts, b: float, taus: dict[Shape, float]) -> Choice:
+    """The choice with the highest expected tokens/s at batch ``b`` (ties: plain, then the smaller
+    tree). ``b < 1`` is plain (nothing to decode)."""
+    if b < 1:
+        return Choice(None, 0.0)
+    best = Choice(None, plain_rate(costs, b))
+    for shape in costs.shapes:
+        rate = spec_rate(costs, b, shape, taus[shape])
+        if rate > best.rate:
+            best = Choice(shape, rate)
+    return best
+
+
+def per_request_rate(costs: StepCosts, b: float, taus: dict[Shape, float]) -> float:
+    """Expected tokens/s one request gets in a batch of ``b`` under the best choice."""
+    return best_choice(costs, b, taus).rate / b if b >= 1 else 0.0

@@ -1,0 +1,70 @@
+"""What a replica reports about itself: routing stats (for the request router) and autoscaling stats.
+
+Ray Serve polls a deployment's ``record_routing_stats()`` (every
+``request_routing_stats_period_s``) and pushes ``record_autoscaling_stats()`` to the controller;
+both return plain dicts of numbers built here from the engine's state, so the router and the
+autoscaling policy stay plain functions of measured state.
+
+Keys (all numbers; times in seconds):
+
+- ``running``, ``waiting``: requests decoding / queued in the engine; ``load``: requests the
+  replica holds (admitted by Serve, tokenizing, running or waiting).
+- ``free_kv_blocks``, ``num_kv_blocks``, ``tokens_per_block``, ``kv_usage`` (0-1).
+- ``max_batch_size``: the engine's in-flight batch limit.
+- ``step_s``: recent mean seconds per engine iteration (exponential moving average), 0 before any.
+- ``tau``: live tokens per step of the speculation in use (a moving average over drafted steps);
+  None before the first drafted step or without a drafter.
+- ``shape``: the draft-tree shape in use, ``"BxD"``, or ``"plain"``.
+- ``ttft_p90_s``: 90th percentile time to first token over the last ``window_s`` seconds (None when
+  no request started in it).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+import numpy as np
+
+
+class TtftWindow:
+    """Times to first token of the last ``window_s`` seconds."""
+
+    def __init__(self, window_s: float = 30.0):
+        self.window_s = window_s
+        self._samples: deque[tuple[float, float]] = deque()
+
+    def add(self, ttft_s: float, now: float | None = None) -> None:
+        self._samples.append((time.monotonic() if now is None else now, ttft_s))
+
+    def p90(self, now: float | None = None) -> float | None:
+        now = time.monotonic() if now is None else now
+        while self._samples and now - self._samples[0][0] > self.window_s:
+            self._samples.popleft()
+        if not self._samples:
+            return None
+        return float(np.percentile([t for _, t in self._samples], 90))
+
+
+def engine_stats(engine, load: int, step_s: float, policy_stats: dict, ttft_p90_s: float | None) -> dict:
+    """The stats dict (see the module docstring) from a ``workers.engine.Engine``'s state.
+
+    Read from another thread than the engine's: list lengths and counters only, never tensors.
+    """
+    blocks = engine.blocks
+    free, total = blocks.num_free_blocks, blocks.num_blocks
+    tau = policy_stats.get("tau") if engine.speculative_available else None
+    return {
+        "load": load,
+        "running": len(engine.scheduler.running),
+        "waiting": len(engine.scheduler.waiting),
+        "free_kv_blocks": free,
+        "num_kv_blocks": total,
+        "tokens_per_block": blocks.block_size,
+        "kv_usage": 1.0 - free / total if total else 0.0,
+        "max_batch_size": engine.options.max_batch_size,
+        "step_s": step_s,
+        "tau": float(tau) if tau else None,
+        "shape": policy_stats.get("shape") or "plain",
+        "ttft_p90_s": ttft_p90_s,
+    }

@@ -1,0 +1,143 @@
+"""``engine.spec_schedule: auto``: the goodput model (:mod:`cluster.goodput`) run live, with hysteresis.
+
+The engine asks every iteration, for the number of generation requests ``b``:
+
+- :meth:`SpecController.shape_for`: the draft-tree shape (or None: plain) with the highest expected
+  tokens/s at ``b`` given the replica's live ``tau``; the current choice is kept unless another wins
+  by ``margin`` (relative) for ``patience`` consecutive iterations, so load that hovers at a
+  boundary does not flip the decision back and forth (public reports of dynamic speculation show
+  throughput collapsing when a batch-size threshold flaps).
+- :meth:`SpecController.drafts`: whether one request drafts in this iteration. A request whose own
+  tokens-per-step estimate is below break-even for the batch (:func:`cluster.goodput.break_even_tau`)
+  decodes plain (its KV cache stays valid); every ``probe_interval``-th of its plain steps it drafts
+  anyway, so its estimate can recover.
+- :meth:`SpecController.observe`: after the iteration, the tokens each drafting request accepted.
+  The replica's ``tau`` (for the shape in use) and each request's own are exponential moving
+  averages (weight ``ema_alpha`` per step), seeded from calibration. A replica held plain by low
+  acceptance drafts one iteration in ``probe_interval * patience`` (where calibration would
+  speculate), so its estimate follows traffic that became easier.
+
+Per-request state lives in a small dict the engine keeps on the request (``seq.extra``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cluster.goodput import Shape, StepCosts, best_choice, break_even_tau, live_taus, rate_of
+
+
+@dataclass(frozen=True)
+class ControllerSettings:
+    """Hysteresis and estimation settings (``router.auto`` in the config).
+
+    margin: another choice must beat the current one's expected tokens/s by this fraction...
+    patience: ...for this many consecutive iterations before the decision switches.
+    ema_alpha: weight of the newest step in the replica's tokens-per-step moving average.
+    request_ema_alpha: the same for each request's own estimate (fewer steps, so a larger weight).
+    probe_interval: a request decoding plain for low acceptance drafts once every this many steps.
+    """
+
+    margin: float = 0.05
+    patience: int = 8
+    ema_alpha: float = 0.05
+    request_ema_alpha: float = 0.2
+    probe_interval: int = 8
+
+
+class SpecController:
+    """One replica's speculation decision (the engine thread calls it; not thread-safe)."""
+
+    def __init__(self, costs: StepCosts, settings: ControllerSettings = ControllerSettings()):
+        self.costs = costs
+        self.settings = settings
+        self.current: Shape | None = None
+        self.started = False
+        self.switches = 0
+        self._streak = 0
+        self._candidate: Shape | None = None
+        self._tau_shape: Shape | None = None
+        self._tau: float | None = None
+        self._plain_iterations = 0
+
+    # -- replica level ---------------------------------------------------------------------------
+
+    @property
+    def shapes(self) -> list[Shape]:
+        """Every shape it may choose (the engine sizes its KV cache for the largest tree)."""
+        return self.costs.shapes
+
+    def taus(self) -> dict[Shape, float]:
+        """Live tokens per step of every calibrated shape (see :func:`cluster.goodput.live_taus`)."""
+        return live_taus(self.costs, self._tau_shape, self._tau)
+
+    @property
+    def tau(self) -> float:
+        """Live tokens per step of the shape in use (or of the smallest shape when plain)."""
+        taus = self.taus()
+        return taus[self.current or self._tau_shape or self.costs.shapes[0]]
+
+    def shape_for(self, b: int) -> Shape | None:
+        """The shape for an iteration with ``b`` generation requests (None: plain)."""
+        if b < 1 or not self.costs.shapes:
+            return None
+        taus = self.taus()
+        best = best_choice(self.costs, b, taus)
+        if not self.started:
+            self.started, self.current = True, best.shape
+            return self.current
+        if best.shape == self.current:
+            self._streak = 0
+        elif best.rate > rate_of(self.costs, b, self.current, taus) * (1 + self.settings.margin):
+            self._streak = self._streak + 1 if best.shape == self._candidate else 1
+            self._candidate = best.shape
+        else:
+            self._streak = 0
+        if self._streak >= self.settings.patience:
+            self.current, self._streak, self.switches = best.shape, 0, self.switches + 1
+        return self._maybe_probe(b) if self.current is None else self.current
+
+    def _maybe_probe(self, b: int) -> Shape | None:
+        """Plain because of low live acceptance (calibration would speculate at ``b``): draft one
+        iteration in ``probe_interval * patience`` so the estimate can recover."""
+        self._plain_iterations += 1
+        if self._plain_iterations < self.settings.probe_interval * self.settings.patience:
+            return None
+        self._plain_iterations = 0
+        return best_choice(self.costs, b, dict(self.costs.tokens_per_step)).shape
+
+    # -- request level ---------------------------------------------------------------------------
+
+    def new_request_state(self) -> dict:
+        """Per-request state, seeded with the replica's live estimate."""
+        return {"tau": None, "plain_steps": 0}
+
+    def drafts(self, state: dict, b: int, shape: Shape) -> bool:
+        """Whether a request with ``state`` drafts in an iteration of ``b`` requests with ``shape``."""
+        tau = state["tau"] if state["tau"] is not None else self.taus()[shape]
+        if tau >= break_even_tau(self.costs, b, shape):
+            return True
+        return state["plain_steps"] + 1 >= self.settings.probe_interval  # a probe
+
+    def observe(self, state: dict, shape: Shape | None, drafted: bool, accepted: int) -> None:
+        """Record one generation step of a request: ``accepted`` draft tokens if it ``drafted``."""
+        if not drafted or shape is None:
+            state["plain_steps"] += 1
+            return
+        state["plain_steps"] = 0
+        tokens = 1.0 + accepted
+        if state["tau"] is None:
+            state["tau"] = self.taus()[shape]
+        r = self.settings.request_ema_alpha
+        state["tau"] = (1 - r) * state["tau"] + r * tokens
+        a = self.settings.ema_alpha
+        if self._tau_shape != shape:  # carry the estimate over to the new shape
+            self._tau = self.taus()[shape]
+            self._tau_shape = shape
+        self._tau = (1 - a) * self._tau + a * tokens
+
+    def stats(self) -> dict:
+        """For routing stats and responses: current shape, live tau, switches so far."""
+        shape = self.current
+        return {"shape": None if shape is None else f"{shape[0]}x{shape[1]}", "tau": round(self.tau, 4),
+                "switches": self.switches}

@@ -1,0 +1,147 @@
+"""The goodput model and its live controller, as plain functions (no Ray, no model)."""
+
+import json
+
+import pytest
+
+from cluster.goodput import (
+    StepCosts,
+    best_choice,
+    break_even_tau,
+    interpolate,
+    live_taus,
+    per_request_rate,
+    plain_rate,
+    spec_rate,
+)
+from cluster.spec_controller import ControllerSettings, SpecController
+
+# Step costs shaped like the float32 calibration on our machines: a tree is nearly free at batch 1 and
+# costs more and more as the batch grows.
+COSTS = StepCosts(
+    plain_s={1: 0.030, 2: 0.034, 4: 0.040, 8: 0.060, 16: 0.110, 32: 0.220},
+    spec_s={(1, 2): {1: 0.036, 2: 0.042, 4: 0.056, 8: 0.082, 16: 0.210, 32: 0.450},
+            (4, 4): {1: 0.045, 2: 0.070, 4: 0.110, 8: 0.190, 16: 0.400, 32: 0.800}},
+    tokens_per_step={(1, 2): 1.65, (4, 4): 2.20},
+)
+
+
+def test_interpolation_is_linear_between_points_and_extends_the_end_segments():
+    pts = {1: 1.0, 3: 3.0, 5: 4.0}
+    assert interpolate(pts, 2) == pytest.approx(2.0)
+    assert interpolate(pts, 4) == pytest.approx(3.5)
+    assert interpolate(pts, 7) == pytest.approx(5.0)  # slope of the last segment
+    assert interpolate({4: 2.0}, 8) == pytest.approx(4.0)  # one point: proportional above it
+    with pytest.raises(ValueError, match="no measured points"):
+        interpolate({}, 1)
+
+
+def test_rates_follow_the_issue_formulas():
+    assert plain_rate(COSTS, 4) == pytest.approx(4 / 0.040)
+    assert spec_rate(COSTS, 4, (1, 2), 1.65) == pytest.approx(4 * 1.65 / 0.056)
+    assert break_even_tau(COSTS, 8, (1, 2)) == pytest.approx(0.082 / 0.060)
+
+
+def test_speculation_wins_at_low_load_and_loses_at_high_load():
+    taus = dict(COSTS.tokens_per_step)
+    assert best_choice(COSTS, 1, taus).shape == (4, 4)  # 2.2 / 45 ms beats 1.65 / 36 ms and 1 / 30 ms
+    assert best_choice(COSTS, 8, taus).shape == (1, 2)
+    assert best_choice(COSTS, 32, taus).shape is None
+    assert per_request_rate(COSTS, 1, taus) > per_request_rate(COSTS, 8, taus) > per_request_rate(COSTS, 32, taus)
+
+
+def test_low_live_acceptance_turns_speculation_down_by_itself():
+    taus = live_taus(COSTS, (4, 4), 1.2)  # the traffic accepts far less than calibration did
+    assert taus[(4, 4)] == pytest.approx(1.2)
+    assert taus[(1, 2)] == pytest.approx(1 + 0.65 * 0.2 / 1.2)
+    assert best_choice(COSTS, 1, taus).shape is None
+    easy = live_taus(COSTS, (1, 2), 2.0)  # easier than calibration: speculation pays at larger batches
+    assert best_choice(COSTS, 16, easy).shape == (1, 2)
+    assert best_choice(COSTS, 16, dict(COSTS.tokens_per_step)).shape is None
+
+
+def test_calibration_json_round_trip_and_errors(tmp_path):
+    data = {"plain_step_s": {"1": 0.03, "8": 0.06}, "spec_step_s": {"1:2x2": 0.04, "8:2x2": 0.1},
+            "tokens_per_step": {"2x2": 1.8}}
+    path = tmp_path / "calibration.json"
+    path.write_text(json.dumps(data))
+    costs = StepCosts.load(path)
+    assert costs.shapes == [(2, 2)] and costs.t_spec(4.5, (2, 2)) == pytest.approx(0.07)
+    del data["tokens_per_step"]
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="calibration.json: .*tokens_per_step"):
+        StepCosts.load(path)
+    with pytest.raises(ValueError, match="not a usable calibration file"):
+        StepCosts.load(tmp_path / "missing.json")
+
+
+def drive(controller: SpecController, batches: list[int]) -> list:
+    return [controller.shape_for(b) for b in batches]
+
+
+def test_hysteresis_bounds_the_switches_when_load_hovers_at_the_boundary():
+    # 8 and 16 sit either side of the plain/spec boundary; load flapping between them every
+    # iteration must not flap the decision.
+    flapping = [8, 16] * 200
+    eager = SpecController(COSTS, ControllerSettings(margin=0.0, patience=1))
+    calm = SpecController(COSTS, ControllerSettings(margin=0.05, patience=8))
+    eager_decisions, calm_decisions = drive(eager, flapping), drive(calm, flapping)
+    assert eager.switches >= 300  # without hysteresis it follows every flap
+    assert calm.switches <= 2
+    assert sum(a != b for a, b in zip(calm_decisions, calm_decisions[1:])) <= 2
+
+
+def test_sustained_load_change_switches_once_after_patience():
+    c = SpecController(COSTS, ControllerSettings(margin=0.05, patience=4))
+    assert drive(c, [1] * 5) == [(4, 4)] * 5
+    decisions = drive(c, [32] * 10)
+    assert decisions[:3] == [(4, 4)] * 3 and decisions[3:] == [None] * 7
+    assert c.switches == 1
+
+
+def test_replica_tau_follows_acceptance_and_speculation_stops_on_hard_traffic():
+    c = SpecController(COSTS, ControllerSettings(margin=0.05, patience=4, ema_alpha=0.2, probe_interval=4))
+    assert c.shape_for(1) == (4, 4)
+    for _ in range(60):  # every drafted step accepts nothing
+        shape = c.shape_for(1)
+        state = c.new_request_state()
+        c.observe(state, shape, shape is not None, 0)
+    assert c.tau < 1.2
+    assert c.current is None and c.switches >= 1
+    assert c.stats()["shape"] is None
+
+
+def test_replica_held_plain_by_acceptance_probes_and_recovers():
+    c = SpecController(COSTS, ControllerSettings(margin=0.05, patience=2, ema_alpha=0.5, probe_interval=2))
+    c.shape_for(1)
+    state = c.new_request_state()
+    while c.current is not None:
+        shape = c.shape_for(1)
+        c.observe(state, shape, shape is not None, 0)
+    probes = 0
+    for _ in range(200):  # now the traffic accepts every draft
+        shape = c.shape_for(1)
+        if shape is not None:
+            probes += 1
+            c.observe(c.new_request_state(), shape, True, shape[1])
+        if c.current is not None:
+            break
+    assert probes >= 1 and c.current is not None
+
+
+def test_request_below_break_even_decodes_plain_and_probes():
+    c = SpecController(COSTS, ControllerSettings(probe_interval=4, request_ema_alpha=0.5))
+    state = c.new_request_state()
+    assert c.drafts(state, 8, (1, 2))  # no history: the replica's estimate (1.65 > break-even 1.37)
+    for _ in range(6):
+        c.observe(state, (1, 2), True, 0)
+    assert state["tau"] < break_even_tau(COSTS, 8, (1, 2))
+    pattern = []
+    for _ in range(8):
+        drafts = c.drafts(state, 8, (1, 2))
+        pattern.append(drafts)
+        c.observe(state, (1, 2), drafts, 0)
+    assert pattern == [False, False, False, True] * 2  # plain, with a probe every 4th step
+    for _ in range(4):  # the probes find acceptance again
+        c.observe(state, (1, 2), True, 2)
+    assert c.drafts(state, 8, (1, 2))

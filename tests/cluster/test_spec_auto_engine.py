@@ -1,0 +1,100 @@
+"""``engine.spec_schedule: auto`` on a real (tiny) engine: the live goodput model decides per iteration.
+
+Whatever it decides (shape, plain, per-request gating), greedy output stays the requests' plain
+output; high load turns speculation off; traffic whose drafts fail turns it off by itself.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from cluster.goodput import StepCosts
+from cluster.spec_controller import ControllerSettings, SpecController
+from workers.engine import Engine
+from workers.sampling import SamplingParams
+
+# A tree pays at small batches only (plain 10 ms -> 40 ms from batch 1 to 8; a 2x3 tree 12 -> 90 ms).
+COSTS = StepCosts(plain_s={1: 0.010, 2: 0.012, 4: 0.020, 8: 0.040},
+                  spec_s={(2, 3): {1: 0.012, 2: 0.016, 4: 0.040, 8: 0.090}},
+                  tokens_per_step={(2, 3): 2.0})
+
+
+def make_engine(tiny_model_dirs, trained_drafter_dirs, controller) -> Engine:
+    return Engine(str(tiny_model_dirs["tied_gqa2"]), str(trained_drafter_dirs["tied_gqa2"]), spec_policy=controller,
+                  spec_schedule="auto", max_seq_len=256, max_batch_size=8, max_num_tokens=256, max_prefill_chunk=64,
+                  tokens_per_block=4, num_kv_blocks=800)
+
+
+def prompts(engine: Engine, n: int) -> list[list[int]]:
+    return [engine.encode_prompt(f"Story {i}: once upon a time there was a") for i in range(n)]
+
+
+def decode_all(engine: Engine, ids: list[list[int]], mode: str, max_tokens: int = 40) -> dict[str, list[int]]:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    for i, p in enumerate(ids):
+        engine.add_request(f"r{i}", p, params, mode)
+    out: dict[str, list[int]] = {f"r{i}": [] for i in range(len(ids))}
+    while engine.num_unfinished:
+        for d in engine.step():
+            out[d.request_id].extend(d.token_ids)
+    return out
+
+
+def test_auto_is_lossless_and_switches_off_under_load(tiny_model_dirs, trained_drafter_dirs):
+    controller = SpecController(COSTS, ControllerSettings(margin=0.05, patience=2))
+    engine = make_engine(tiny_model_dirs, trained_drafter_dirs, controller)
+    assert engine.spec_schedule == "auto"
+    ids = prompts(engine, 8)
+    seen = []
+    real = controller.shape_for
+    controller.shape_for = lambda b: seen.append((b, real(b))) or seen[-1][1]
+    spec = decode_all(engine, ids, "spec")
+    plain = decode_all(engine, ids, "plain")
+    assert spec == plain
+    assert any(b >= 6 and shape is None for b, shape in seen)  # 8 requests: plain pays
+    seen.clear()
+    solo = decode_all(engine, ids[:1], "spec")
+    assert solo["r0"] == plain["r0"]
+    assert any(shape == (2, 3) for b, shape in seen if b == 1)  # alone: the tree pays again
+
+
+def test_hard_traffic_turns_speculation_off_by_itself(tiny_model_dirs, trained_drafter_dirs, monkeypatch):
+    controller = SpecController(COSTS, ControllerSettings(margin=0.05, patience=2, ema_alpha=0.3, probe_interval=4))
+    engine = make_engine(tiny_model_dirs, trained_drafter_dirs, controller)
+    ids = prompts(engine, 1)
+    plain = decode_all(engine, ids, "plain", max_tokens=60)
+    real_run = engine.runner.run
+
+    def rejecting(context, generation, shape, limits):  # drafts that never survive verification
+        results = real_run(context, generation, shape, limits)
+        for r in results:
+            if r.generation_step:
+                r.accepted_draft_tokens = 0
+        return results
+
+    # Only the acceptance counts are hidden from the controller; the tokens are the real ones.
+    monkeypatch.setattr(engine.runner, "run", rejecting)
+    spec = decode_all(engine, ids, "spec", max_tokens=60)
+    assert spec == plain
+    assert controller.current is None and controller.switches >= 1 and controller.tau < 1.3
+
+
+@pytest.mark.parametrize("batch", [3])
+def test_per_request_gating_keeps_outputs(tiny_model_dirs, trained_drafter_dirs, batch):
+    """A request whose own acceptance is below break-even decodes plain; outputs do not change."""
+    controller = SpecController(COSTS, ControllerSettings(margin=0.05, patience=2, probe_interval=3))
+    engine = make_engine(tiny_model_dirs, trained_drafter_dirs, controller)
+    ids = prompts(engine, batch)
+    plain = decode_all(engine, ids, "plain")
+    gated = []
+    real = controller.drafts
+
+    def drafts(state, b, shape):
+        state["tau"] = 1.0  # every request looks hopeless: only probes draft
+        decision = real(state, b, shape)
+        gated.append(decision)
+        return decision
+
+    controller.drafts = drafts
+    assert decode_all(engine, ids, "spec") == plain
+    assert gated.count(False) > gated.count(True) > 0  # mostly plain, with probes

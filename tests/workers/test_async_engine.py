@@ -1,0 +1,58 @@
+"""``AsyncEngine`` builds its engine on the engine thread, which runs every OpenMP region.
+
+libgomp keeps an ICV (thread count) and a worker pool per calling thread. Ray starts actors with
+``OMP_NUM_THREADS=1``; an engine built on one thread and stepped on another then ran its kernels
+on one core, and a second pool made the workers sleep between regions (the served path ran at
+0.5-0.8x the in-process engine). Checked in a fresh interpreter with ``OMP_NUM_THREADS=1``, as in
+a Ray actor.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+SCRIPT = textwrap.dedent("""
+    import asyncio, ctypes, sys, threading
+    import torch
+    from workers.async_engine import AsyncEngine
+    from workers.engine import Engine
+    from workers.sampling import SamplingParams
+
+    built_on = []
+    def build():
+        built_on.append(threading.current_thread().name)
+        return Engine(sys.argv[1], None, num_threads=2, max_seq_len=64, num_kv_blocks=64, tokens_per_block=4)
+
+    engine = AsyncEngine(build)
+    async def main():
+        threads = await engine.call(ctypes.CDLL("libgomp.so.1").omp_get_max_threads)  # OpenMP's own count
+        out = [d async for d in engine.generate([5, 6, 7], SamplingParams(max_tokens=4), "plain")]
+        return threads, out[-1].completion_tokens
+    threads, tokens = asyncio.run(main())
+    engine.shutdown()
+    print(built_on[0], threads, tokens)
+""")
+
+
+def test_engine_is_built_and_run_on_its_thread_with_its_thread_count(tiny_model_dirs):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.getcwd()}
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(tiny_model_dirs["tied_gqa2"])], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    built_on, engine_threads, tokens = proc.stdout.split()
+    assert built_on == "engine"
+    assert engine_threads == "2"  # the engine's num_threads, not Ray's OMP_NUM_THREADS=1
+    assert tokens == "4"
+
+
+def test_a_failing_build_raises_in_the_constructor():
+    import pytest
+
+    from workers.async_engine import AsyncEngine
+
+    def build():
+        raise FileNotFoundError("no model here")
+
+    with pytest.raises(FileNotFoundError, match="no model here"):
+        AsyncEngine(build)
