@@ -142,8 +142,8 @@ def main() -> None:
     ap.add_argument("--concurrency", default="1,16", help="comma-separated closed-loop concurrency levels")
     ap.add_argument("--modes", default="plain,spec", help="comma-separated rdserve.mode values")
     ap.add_argument("--ttft-runs", type=int, default=20, help="sequential max_tokens=1 requests for TTFT, per round")
-    ap.add_argument("--rounds", type=int, default=2, help="engine and served runs alternate this many times; the "
-                    "median run of each is reported")
+    ap.add_argument("--rounds", type=int, default=2, help="engine and served runs alternate this many times; "
+                    "means are reported")
     ap.add_argument("--out", default="benchmarks/results/served_vs_engine", help="output path without suffix")
     args = ap.parse_args()
 
@@ -175,8 +175,8 @@ def main() -> None:
             results["engine"].setdefault("ttft_s", []).extend(engine_ttft(engine, args.ttft_runs))
             results["served"].setdefault("ttft_s", []).extend(served_ttft(base_url, cfg.model.name, args.ttft_runs))
         for side in ("engine", "served"):
-            for key, rs in runs[side].items():  # the median run by throughput
-                results[side][key] = sorted(rs, key=lambda r: r["output_throughput"])[len(rs) // 2]
+            for key, rs in runs[side].items():  # means over the rounds
+                results[side][key] = {k: statistics.mean(r[k] for r in rs) for k in rs[0]}
                 results[side][key]["runs_tok_s"] = [r["output_throughput"] for r in rs]
         engine.close()
     finally:
@@ -184,7 +184,7 @@ def main() -> None:
 
     flags = {k: v for k, v in os.environ.items() if k.startswith("RAY_SERVE_")}
     lines = [f"config {args.config}, {len(rows)} prompts from {Path(args.prompts).name}, greedy, "
-             f"max_tokens {args.max_tokens}, median of {args.rounds} alternating rounds"
+             f"max_tokens {args.max_tokens}, mean of {args.rounds} alternating rounds"
              + (f", server env {flags}" if flags else ""), "",
              "| mode | concurrency | engine tok/s | served tok/s | served / engine | engine TTFT p50 ms | served TTFT p50 ms |",
              "|---|---|---|---|---|---|---|"]

@@ -6,7 +6,8 @@ concurrency level, policies interleaved level by level so machine drift hits the
 
 - ``spec``: every request drafts with the config's default shape at every batch size;
 - ``plain``: no request drafts;
-- ``table``: the config's calibrated ``engine.spec_schedule`` with ``router.spec_max_load``;
+- ``table``: the schedule ``rdserve calibrate`` derived into ``--calibration`` (``spec_schedule``) with
+  the matching ``router.spec_max_load`` (the fixed policy of ``configs/local.yaml``);
 - ``auto``: ``engine.spec_schedule: auto`` (the goodput model, ``cluster.goodput``) with
   ``--calibration``.
 
@@ -26,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import socket
 from pathlib import Path
 
@@ -49,10 +51,13 @@ def policy_config(cfg, policy: str, calibration: Path):
     elif policy == "auto":
         eng = eng.model_copy(update={"spec_schedule": "auto", "spec_calibration": calibration})
         router = router.model_copy(update={"default_mode": "auto"})
-    elif policy == "table":
-        if eng.spec_schedule in (None, "auto"):
-            raise SystemExit(f"--config has no calibrated table (engine.spec_schedule: {eng.spec_schedule})")
-        router = router.model_copy(update={"default_mode": "auto"})
+    elif policy == "table":  # the table rdserve calibrate derived from the same measurements
+        from cluster.calibrate_cli import spec_max_load
+        from workers.spec_schedule import validate_schedule
+
+        rows = json.loads(calibration.read_text())["spec_schedule"]
+        eng = eng.model_copy(update={"spec_schedule": validate_schedule(rows)})
+        router = router.model_copy(update={"default_mode": "auto", "spec_max_load": spec_max_load(rows)})
     return cfg.model_copy(update={"engine": eng, "router": router})
 
 
@@ -99,8 +104,11 @@ def main() -> None:
     import ray
     from ray import serve
 
-    from cluster.app import deploy
+    from cluster.app import SERVE_ENV, deploy
     from workers.models.pull import pull_default
+
+    for key, value in SERVE_ENV.items():  # as rdserve up runs it
+        os.environ.setdefault(key, value)
 
     cfg = load_config(args.config)
     if cfg.model.path is None:

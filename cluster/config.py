@@ -221,6 +221,12 @@ class RdserveConfig(_Section):
             if self.drafter.path is None:
                 raise ValueError("engine.spec_schedule: 'auto' needs drafter.path (nothing to speculate with)")
         if self.serve.pools is not None:
+            if self.serve.autoscaling is not None:
+                raise ValueError("serve.autoscaling: not used with serve.pools; set serve.pools.spec.autoscaling "
+                                 "and serve.pools.plain.autoscaling")
+            if self.engine.spec_schedule is not None:
+                raise ValueError("engine.spec_schedule: not used with serve.pools (the spec pool drafts "
+                                 "engine.num_beams x draft_len_per_beam at every batch size); leave it null")
             if self.engine.spec_calibration is None:
                 raise ValueError("engine.spec_calibration: serve.pools needs the calibration JSON (the ingress "
                                  "picks a pool with the goodput model; `rdserve calibrate --out FILE`)")
@@ -310,6 +316,11 @@ def check_startable(cfg: RdserveConfig, cuda_available: bool | None = None, cali
             costs = StepCosts.load(eng.spec_calibration)
         except ValueError as err:
             raise ConfigError(f"engine.spec_calibration: {err}") from None
+        too_big = [s for s in costs.shapes if 1 + s[0] * s[1] > eng.max_num_tokens or s[0] > 16 or s[1] > 16]
+        if too_big:
+            raise ConfigError(f"engine.spec_calibration: shape {too_big[0][0]}x{too_big[0][1]} in "
+                              f"{eng.spec_calibration} is larger than the engine allows (num_beams and "
+                              f"draft_len_per_beam at most 16, a tree within engine.max_num_tokens {eng.max_num_tokens})")
         shape = (eng.num_beams, eng.draft_len_per_beam)
         if cfg.serve.pools is not None and shape not in costs.spec_s:
             raise ConfigError(f"engine.spec_calibration: serve.pools drafts {shape[0]}x{shape[1]} "

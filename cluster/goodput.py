@@ -20,6 +20,7 @@ Pure functions and frozen data; no Ray, no torch.
 from __future__ import annotations
 
 import json
+import math
 from bisect import bisect_left
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,8 +44,10 @@ def parse_shape(text: str) -> Shape:
 
 
 def interpolate(points: dict[int, float], x: float) -> float:
-    """Piecewise-linear ``points[b]`` at ``x``; beyond the ends, the nearest segment extended
-    (a single point is proportional to ``x`` above it: a step's cost grows with the batch).
+    """Piecewise-linear ``points[b]`` at ``x``. Below the first point: the first value (nothing
+    measured says a smaller batch is cheaper). Above the last: the last segment's
+    slope, never below the last value (a step's cost does not fall as the batch grows; a single
+    point is proportional to ``x`` above it).
 
     Raises:
         ValueError: no points.
@@ -52,12 +55,15 @@ def interpolate(points: dict[int, float], x: float) -> float:
     if not points:
         raise ValueError("no measured points to interpolate")
     xs = sorted(points)
+    if x <= xs[0]:
+        return points[xs[0]]
     if len(xs) == 1:
-        return points[xs[0]] * max(1.0, x / xs[0])
-    i = min(max(bisect_left(xs, x), 1), len(xs) - 1)
+        return points[xs[0]] * x / xs[0]
+    i = min(bisect_left(xs, x), len(xs) - 1)
     x0, x1 = xs[i - 1], xs[i]
     y0, y1 = points[x0], points[x1]
-    return max(y0 + (y1 - y0) * (x - x0) / (x1 - x0), 1e-9)
+    y = y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return max(y, points[xs[-1]]) if x > xs[-1] else y
 
 
 @dataclass(frozen=True)
@@ -75,14 +81,21 @@ class StepCosts:
 
     def __post_init__(self):
         if not self.plain_s:
-            raise ValueError("calibration has no plain step times")
+            raise ValueError("calibration has no plain step times (plain_step_s)")
+        if not self.spec_s:
+            raise ValueError("calibration has no speculative step times (spec_step_s): nothing to choose from")
         for shape in self.spec_s:
             if shape not in self.tokens_per_step:
                 raise ValueError(f"calibration times shape {shape[0]}x{shape[1]} but has no tokens_per_step for it")
-        for table in (self.plain_s, *self.spec_s.values()):
+        for shape, tau in self.tokens_per_step.items():
+            if not math.isfinite(tau) or tau < 1:
+                raise ValueError(f"tokens_per_step of {shape[0]}x{shape[1]} must be >= 1, got {tau}")
+        for name, table in (("plain_step_s", self.plain_s), *((f"spec_step_s {s[0]}x{s[1]}", t) for s, t in self.spec_s.items())):
             for b, t in table.items():
-                if b < 1 or t <= 0:
-                    raise ValueError(f"calibration step time at batch {b} must be > 0 s, got {t}")
+                if b < 1:
+                    raise ValueError(f"{name}: batch size must be >= 1, got {b}")
+                if not math.isfinite(t) or t <= 0:
+                    raise ValueError(f"{name} at batch {b}: seconds must be > 0, got {t}")
 
     @property
     def shapes(self) -> list[Shape]:

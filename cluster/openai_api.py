@@ -118,6 +118,9 @@ class OpenAIIngress:
         replicas = asyncio.ensure_future(replica_counts(self.app_name, self.pools, REPLICA_COUNTS_TIMEOUT_S))
         try:
             stats = await asyncio.wait_for(self.engine.stats.remote(), HEALTH_TIMEOUT_S)
+            for name, handle in self.engines.items():  # in two-pool mode every pool must answer
+                if handle is not self.engine:
+                    await asyncio.wait_for(handle.stats.remote(), HEALTH_TIMEOUT_S)
         except Exception as err:
             return JSONResponse({"status": "unavailable", "error": str(err), "replicas": await replicas},
                                 status_code=503)
@@ -189,6 +192,7 @@ class OpenAIIngress:
         try:
             async for item in stream:
                 if isinstance(item, Failed):
+                    stream.cancel()  # over: a pool counts the request out now
                     return _failed_response(item)
                 pieces.append(item.text)
                 last = item

@@ -55,9 +55,8 @@ class SpecController:
         self.started = False
         self.switches = 0
         self._streak = 0
-        self._candidate: Shape | None = None
-        self._tau_shape: Shape | None = None
-        self._tau: float | None = None
+        self._tau: tuple[Shape, float] | None = None  # (shape, live tokens per step): one assignment, so a
+        # reader on another thread (routing stats) never pairs one shape with another's estimate
         self._plain_iterations = 0
 
     # -- replica level ---------------------------------------------------------------------------
@@ -69,13 +68,18 @@ class SpecController:
 
     def taus(self) -> dict[Shape, float]:
         """Live tokens per step of every calibrated shape (see :func:`cluster.goodput.live_taus`)."""
-        return live_taus(self.costs, self._tau_shape, self._tau)
+        shape, tau = self._tau or (None, None)
+        return live_taus(self.costs, shape, tau)
 
     @property
     def tau(self) -> float:
-        """Live tokens per step of the shape in use (or of the smallest shape when plain)."""
-        taus = self.taus()
-        return taus[self.current or self._tau_shape or self.costs.shapes[0]]
+        """Live tokens per step of the shape in use; 1.0 while decoding plain."""
+        return 1.0 if self.current is None else self.taus()[self.current]
+
+    def speculative_tau(self) -> float:
+        """Live tokens per step of the shape last drafted with (the smallest shape before any)."""
+        shape = self.current or (self._tau or (self.costs.shapes[0],))[0]
+        return self.taus()[shape]
 
     def shape_for(self, b: int) -> Shape | None:
         """The shape for an iteration with ``b`` generation requests (None: plain)."""
@@ -86,11 +90,8 @@ class SpecController:
         if not self.started:
             self.started, self.current = True, best.shape
             return self.current
-        if best.shape == self.current:
-            self._streak = 0
-        elif best.rate > rate_of(self.costs, b, self.current, taus) * (1 + self.settings.margin):
-            self._streak = self._streak + 1 if best.shape == self._candidate else 1
-            self._candidate = best.shape
+        if best.shape != self.current and best.rate > rate_of(self.costs, b, self.current, taus) * (1 + self.settings.margin):
+            self._streak += 1  # the current choice is beaten; switch to the latest winner after patience
         else:
             self._streak = 0
         if self._streak >= self.settings.patience:
@@ -98,8 +99,9 @@ class SpecController:
         return self._maybe_probe(b) if self.current is None else self.current
 
     def _maybe_probe(self, b: int) -> Shape | None:
-        """Plain because of low live acceptance (calibration would speculate at ``b``): draft one
-        iteration in ``probe_interval * patience`` so the estimate can recover."""
+        """While plain: where calibration's own acceptance would speculate at ``b`` (so plain is
+        down to low live acceptance), draft one iteration in ``probe_interval * patience`` so the
+        estimate can recover."""
         self._plain_iterations += 1
         if self._plain_iterations < self.settings.probe_interval * self.settings.patience:
             return None
@@ -109,7 +111,8 @@ class SpecController:
     # -- request level ---------------------------------------------------------------------------
 
     def new_request_state(self) -> dict:
-        """Per-request state, seeded with the replica's live estimate."""
+        """Per-request state: its own tokens per step (None until its first drafted step: the
+        replica's estimate stands in) and plain steps since it last drafted."""
         return {"tau": None, "plain_steps": 0}
 
     def drafts(self, state: dict, b: int, shape: Shape) -> bool:
@@ -126,15 +129,13 @@ class SpecController:
             return
         state["plain_steps"] = 0
         tokens = 1.0 + accepted
+        taus = self.taus()
         if state["tau"] is None:
-            state["tau"] = self.taus()[shape]
+            state["tau"] = taus[shape]
         r = self.settings.request_ema_alpha
         state["tau"] = (1 - r) * state["tau"] + r * tokens
-        a = self.settings.ema_alpha
-        if self._tau_shape != shape:  # carry the estimate over to the new shape
-            self._tau = self.taus()[shape]
-            self._tau_shape = shape
-        self._tau = (1 - a) * self._tau + a * tokens
+        a = self.settings.ema_alpha  # a new shape starts from the estimate carried over to it
+        self._tau = (shape, (1 - a) * taus[shape] + a * tokens)
 
     def stats(self) -> dict:
         """For routing stats and responses: current shape, live tau, switches so far."""

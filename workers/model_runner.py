@@ -7,7 +7,8 @@ plan out (nano-vllm's ``model_runner``; TensorRT-LLM's in-flight batching runtim
    search (arXiv 2403.09919 Sec. 3.2), packed into one prefix tree each.
 2. Context chunks and generation tokens (root token plus draft tree, or the root alone for plain
    decoding) are packed into one :class:`ForwardBatch`: each context chunk is its own attention
-   group; all generation requests form one group padded to the largest tree.
+   group; generation requests with a tree form one group padded to the largest tree, plain ones
+   another of width 1.
 3. One executor forward; logits only for the rows that need them.
 4. Per request: greedy acceptance or exact speculative sampling (plain decoding is a tree of one
    node), and the accepted path's keys/values are moved to the committed positions (one
@@ -97,7 +98,8 @@ class ModelRunner:
             ``num_computed_tokens`` and ``output_token_ids`` are updated.
         """
         rows = self._draft(generation, spec_shape, draft_limits or {})
-        batch, logit_rows, last_rows = self._pack(context, rows)
+        rows = [r for r in rows if r.tree is not None] + [r for r in rows if r.tree is None]  # group by width
+        batch, logit_rows, last_rows, row_starts = self._pack(context, rows)
         hidden = self.executor.forward(batch.to(self.device) if self.device.type != "cpu" else batch)
         logits = self.executor.logits(hidden[logit_rows]) if logit_rows else None
         results, copies_src, copies_dst = [], [], []
@@ -115,9 +117,7 @@ class ModelRunner:
             cursor += 1
             seq.output_token_ids.append(token)
             results.append(StepResult(seq, [token], 0, False))
-        gen_start = batch.groups[-1].start if rows else 0
-        width = batch.groups[-1].seq_len if rows else 0
-        for i, row in enumerate(rows):
+        for row, row_start in zip(rows, row_starts):
             seq, state = row.seq, row.seq.extra["state"]
             node_logits = logits[cursor : cursor + row.num_nodes]
             cursor += row.num_nodes
@@ -132,7 +132,7 @@ class ModelRunner:
                 copies_src.append(self.blocks.slots(seq, L, L + row.num_nodes)[path])
                 copies_dst.append(self.blocks.slots(seq, L, L + len(path)))
             drafted = [] if row.tree is None else row.tree.tokens[path[1:]].tolist()
-            state.hidden = hidden[gen_start + i * width + path[-1]]
+            state.hidden = hidden[row_start + path[-1]]
             seq.num_computed_tokens = L + len(path)
             seq.output_token_ids.extend(drafted + [bonus])
             results.append(StepResult(seq, drafted + [bonus], len(drafted), True))
@@ -156,9 +156,13 @@ class ModelRunner:
             r.tree = build_prefix_tree(b[:, : limit + 1])
         return rows
 
-    def _pack(self, context, rows: list[_GenRow]) -> tuple[ForwardBatch, list[int], list[int]]:
-        """Pack context chunks and generation rows; returns the batch, the rows needing logits and
-        each context chunk's last row."""
+    def _pack(self, context, rows: list[_GenRow]) -> tuple[ForwardBatch, list[int], list[int], list[int]]:
+        """Pack context chunks and generation rows; returns the batch, the rows needing logits, each
+        context chunk's last row and each generation row's first row.
+
+        Generation rows with a draft tree form one attention group padded to the largest tree;
+        plain rows form another of width 1, so a plain request next to speculating ones costs one
+        token, not a tree's width (``rows`` must list the tree rows first)."""
         ids, pos, slots, groups, logit_rows, last_rows = [], [], [], [], [], []
         n_rows = 0
         for seq, start, n in context:
@@ -174,16 +178,19 @@ class ModelRunner:
             last_rows.append(n_rows - 1)
             if start + n == seq.num_context_tokens and not seq.output_token_ids:
                 logit_rows.append(n_rows - 1)
-        if rows:
-            width = max(r.num_nodes for r in rows)
-            kv_len = max(r.length + width for r in rows)
+        row_starts = []
+        for group in ([r for r in rows if r.tree is not None], [r for r in rows if r.tree is None]):
+            if not group:
+                continue
+            width = max(r.num_nodes for r in group)
+            kv_len = max(r.length + width for r in group)
             trash = self.blocks.trash_slot
-            g_ids = torch.zeros(len(rows), width, dtype=torch.long)
-            g_pos = torch.zeros(len(rows), width, dtype=torch.long)
-            g_slots = torch.full((len(rows), width), trash, dtype=torch.long)
-            kv_slots = torch.full((len(rows), kv_len), trash, dtype=torch.long)
-            mask = torch.zeros(len(rows), 1, width, kv_len, dtype=torch.bool)
-            for i, r in enumerate(rows):
+            g_ids = torch.zeros(len(group), width, dtype=torch.long)
+            g_pos = torch.zeros(len(group), width, dtype=torch.long)
+            g_slots = torch.full((len(group), width), trash, dtype=torch.long)
+            kv_slots = torch.full((len(group), kv_len), trash, dtype=torch.long)
+            mask = torch.zeros(len(group), 1, width, kv_len, dtype=torch.bool)
+            for i, r in enumerate(group):
                 L, m = r.length, r.num_nodes
                 seq_slots = self.blocks.slots(r.seq, 0, L + m)
                 kv_slots[i, : L + m] = seq_slots
@@ -198,16 +205,18 @@ class ModelRunner:
                     g_pos[i, :m] = L + r.tree.depths
                     mask[i, 0, :m, L : L + m] = r.tree.mask
                 mask[i, 0, m:, 0] = True  # padding rows attend to something (their output is unused)
+                row_starts.append(n_rows + i * width)
                 logit_rows.extend(range(n_rows + i * width, n_rows + i * width + m))
-            run = self._run_start(rows[0].seq, rows[0].length + width) if len(rows) == 1 else None
-            if run is not None and kv_len != rows[0].length + rows[0].num_nodes:
+            run = self._run_start(group[0].seq, group[0].length + width) if len(group) == 1 else None
+            if run is not None and kv_len != group[0].length + group[0].num_nodes:
                 run = None
-            groups.append(AttentionGroup(n_rows, len(rows), width, kv_slots, mask, run))
+            groups.append(AttentionGroup(n_rows, len(group), width, kv_slots, mask, run))
             ids.append(g_ids.reshape(-1))
             pos.append(g_pos.reshape(-1))
             slots.append(g_slots.reshape(-1))
+            n_rows += len(group) * width
         batch = ForwardBatch(torch.cat(ids), torch.cat(pos), torch.cat(slots), groups)
-        return batch, logit_rows, last_rows
+        return batch, logit_rows, last_rows, row_starts
 
     def _run_start(self, seq: Sequence, upto: int) -> int | None:
         """First slot when positions ``[0, upto)`` of ``seq`` lie in consecutive blocks, else None."""

@@ -192,6 +192,8 @@ class TablePolicy:
             self._tau = tokens if self._tau is None else (1 - self.ema_alpha) * self._tau + self.ema_alpha * tokens
 
     def stats(self) -> dict:
-        """``shape`` of the last iteration (``"BxD"`` or None) and ``tau`` (None before any draft)."""
+        """``shape`` of the last iteration (``"BxD"`` or None) and ``tau``: tokens per drafted step
+        (None before any draft), 1.0 while decoding plain."""
         shape = self._last_shape
-        return {"shape": None if shape is None else f"{shape[0]}x{shape[1]}", "tau": self._tau}
+        return {"shape": None if shape is None else f"{shape[0]}x{shape[1]}",
+                "tau": 1.0 if shape is None else self._tau}

@@ -32,6 +32,8 @@ def test_interpolation_is_linear_between_points_and_extends_the_end_segments():
     assert interpolate(pts, 4) == pytest.approx(3.5)
     assert interpolate(pts, 7) == pytest.approx(5.0)  # slope of the last segment
     assert interpolate({4: 2.0}, 8) == pytest.approx(4.0)  # one point: proportional above it
+    assert interpolate({4: 0.02, 8: 0.06}, 1) == pytest.approx(0.02)  # below the first: never cheaper
+    assert interpolate({16: 0.1, 32: 0.05}, 64) == pytest.approx(0.05)  # a noisy falling end: never below it
     with pytest.raises(ValueError, match="no measured points"):
         interpolate({}, 1)
 
@@ -73,6 +75,12 @@ def test_calibration_json_round_trip_and_errors(tmp_path):
         StepCosts.load(path)
     with pytest.raises(ValueError, match="not a usable calibration file"):
         StepCosts.load(tmp_path / "missing.json")
+    with pytest.raises(ValueError, match="no speculative step times"):
+        StepCosts(plain_s={1: 0.01}, spec_s={}, tokens_per_step={})
+    with pytest.raises(ValueError, match="tokens_per_step of 2x2 must be >= 1"):
+        StepCosts(plain_s={1: 0.01}, spec_s={(2, 2): {1: 0.02}}, tokens_per_step={(2, 2): 0.0})
+    with pytest.raises(ValueError, match="plain_step_s: batch size must be >= 1"):
+        StepCosts(plain_s={0: 0.01}, spec_s={(2, 2): {1: 0.02}}, tokens_per_step={(2, 2): 1.5})
 
 
 def drive(controller: SpecController, batches: list[int]) -> list:
@@ -91,6 +99,15 @@ def test_hysteresis_bounds_the_switches_when_load_hovers_at_the_boundary():
     assert sum(a != b for a, b in zip(calm_decisions, calm_decisions[1:])) <= 2
 
 
+def test_alternating_challengers_still_unseat_a_beaten_choice():
+    c = SpecController(COSTS, ControllerSettings(margin=0.05, patience=4))
+    c.shape_for(32)  # plain
+    taus = {(1, 2): 2.0, (4, 4): 3.0}  # both trees beat plain by far and take turns being best (b 1: 4x4, b 4: 1x2)
+    c.taus = lambda: taus
+    decisions = [c.shape_for(b) for b in [1, 4, 1, 4, 1, 4]]
+    assert decisions[-1] is not None and c.switches == 1
+
+
 def test_sustained_load_change_switches_once_after_patience():
     c = SpecController(COSTS, ControllerSettings(margin=0.05, patience=4))
     assert drive(c, [1] * 5) == [(4, 4)] * 5
@@ -106,7 +123,7 @@ def test_replica_tau_follows_acceptance_and_speculation_stops_on_hard_traffic():
         shape = c.shape_for(1)
         state = c.new_request_state()
         c.observe(state, shape, shape is not None, 0)
-    assert c.tau < 1.2
+    assert c.speculative_tau() < 1.2 and c.tau == 1.0  # plain now
     assert c.current is None and c.switches >= 1
     assert c.stats()["shape"] is None
 

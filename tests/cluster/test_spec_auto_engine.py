@@ -76,7 +76,7 @@ def test_hard_traffic_turns_speculation_off_by_itself(tiny_model_dirs, trained_d
     monkeypatch.setattr(engine.runner, "run", rejecting)
     spec = decode_all(engine, ids, "spec", max_tokens=60)
     assert spec == plain
-    assert controller.current is None and controller.switches >= 1 and controller.tau < 1.3
+    assert controller.current is None and controller.switches >= 1 and controller.speculative_tau() < 1.3
 
 
 @pytest.mark.parametrize("batch", [3])

@@ -1,0 +1,101 @@
+"""Two engine replicas behind the goodput request router vs Ray Serve's default power-of-two router.
+
+One Ray Serve instance with two applications of the same config, each with ``--replicas`` engine
+replicas (``engine.num_threads`` cores / replicas each): ``serve.request_router: goodput`` and
+``pow2``. Closed-loop concurrency levels over HTTP, the two routers interleaved level by level (each
+app's replicas idle while the other is measured). Prints output tokens/s and TPOT p50/p90 per level
+and writes JSON.
+
+Usage:
+    python benchmarks/router_vs_pow2.py --config configs/local.yaml --concurrency 2,4,8 \
+        --out benchmarks/results/router_vs_pow2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+from pathlib import Path
+
+from cluster.config import load_config
+from cluster.evaluation.loadgen import LoadSpec, run_load
+from spec_policies import DATASETS, free_port, prompt_mix
+
+ROUTERS = ("goodput", "pow2")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default="configs/local.yaml", help="base config")
+    ap.add_argument("--replicas", type=int, default=2, help="engine replicas per application")
+    ap.add_argument("--concurrency", default="2,4,8", help="closed-loop concurrency levels")
+    ap.add_argument("--requests-per-client", type=int, default=4, help="requests per level = this x concurrency")
+    ap.add_argument("--max-tokens", type=int, default=64, help="completion tokens per request (at most)")
+    ap.add_argument("--datasets-dir", default=str(DATASETS), help="holds broad/, gsm8k/ and humaneval/")
+    ap.add_argument("--out", default="benchmarks/results/router_vs_pow2", help="output path without suffix")
+    args = ap.parse_args()
+
+    import ray
+    from ray import serve
+
+    from cluster.app import SERVE_ENV, deploy
+    from workers.models.pull import pull_default
+
+    for key, value in SERVE_ENV.items():
+        os.environ.setdefault(key, value)
+    cfg = load_config(args.config)
+    if cfg.model.path is None:
+        cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": pull_default()})})
+    threads = max(1, (os.cpu_count() or 1) // args.replicas)
+    cfg = cfg.model_copy(update={"engine": cfg.engine.model_copy(update={"num_threads": threads})})
+    rows = prompt_mix("broad", Path(args.datasets_dir))
+    levels = [int(c) for c in args.concurrency.split(",")]
+    port = free_port()
+    ray.init(include_dashboard=False, logging_level=logging.WARNING, num_cpus=8)
+    results: dict = {r: {} for r in ROUTERS}
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        for router in ROUTERS:
+            serve_cfg = cfg.serve.model_copy(update={"replicas": args.replicas, "request_router": router,
+                                                     "num_cpus_per_replica": 1.0})
+            deploy(cfg.model_copy(update={"serve": serve_cfg}), name=router, route_prefix=f"/{router}")
+        for c in levels:
+            for router in ROUTERS:
+                url = f"http://127.0.0.1:{port}/{router}"
+                spec = LoadSpec(model=cfg.model.name, max_tokens=args.max_tokens, concurrency=c,
+                                max_requests=args.requests_per_client * c, duration_s=3600, grace_s=120)
+                run = run_load(url, rows, spec, progress=False)
+                s = run.summary()
+                served_by = {}
+                for rec in run.records:
+                    replica = (rec.rdserve or {}).get("replica")
+                    served_by[replica] = served_by.get(replica, 0) + 1
+                results[router][c] = {"output_throughput": s["output_throughput"], "failed": s["failed"],
+                                      "tpot_p50_ms": s["tpot_ms"]["p50"], "tpot_p90_ms": s["tpot_ms"]["p90"],
+                                      "ttft_p50_ms": s["ttft_ms"]["p50"], "requests_per_replica": sorted(served_by.values())}
+                print(f"c={c} {router}: {s['output_throughput']:.1f} tok/s, TPOT p50 {s['tpot_ms']['p50']:.0f} ms, "
+                      f"per replica {sorted(served_by.values())}", flush=True)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    lines = [f"{args.replicas} replicas x {threads} thread(s), max_tokens {args.max_tokens}, "
+             f"{args.requests_per_client} requests per client", "",
+             "| concurrency | goodput tok/s | pow2 tok/s | goodput TPOT p50/p90 ms | pow2 TPOT p50/p90 ms | "
+             "requests per replica (goodput / pow2) |", "|---|---|---|---|---|---|"]
+    for c in levels:
+        g, p = results["goodput"][c], results["pow2"][c]
+        lines.append(f"| {c} | {g['output_throughput']:.1f} | {p['output_throughput']:.1f} | "
+                     f"{g['tpot_p50_ms']:.0f}/{g['tpot_p90_ms']:.0f} | {p['tpot_p50_ms']:.0f}/{p['tpot_p90_ms']:.0f} | "
+                     f"{g['requests_per_replica']} / {p['requests_per_replica']} |")
+    table = "\n".join(lines)
+    print(table)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
+    out.with_suffix(".md").write_text(table + "\n")
+
+
+if __name__ == "__main__":
+    main()
