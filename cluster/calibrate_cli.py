@@ -25,16 +25,12 @@ err_console = Console(stderr=True)
 
 
 def _parse_shapes(text: str) -> list[tuple[int, int]]:
-    shapes = []
-    for part in text.split(","):
-        try:
-            beams, draft = (int(x) for x in part.lower().split("x"))
-        except ValueError:
-            raise typer.BadParameter(f"'{part}': expected NUM_BEAMSxDRAFT_LEN, e.g. 2x2") from None
-        if beams < 1 or draft < 1:
-            raise typer.BadParameter(f"'{part}': num_beams and draft_len_per_beam must be >= 1")
-        shapes.append((beams, draft))
-    return shapes
+    from cluster.goodput import parse_shape
+
+    try:
+        return [parse_shape(part) for part in text.split(",")]
+    except ValueError as err:
+        raise typer.BadParameter(str(err)) from None
 
 
 def _parse_batches(text: str) -> list[int]:

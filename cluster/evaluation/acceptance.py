@@ -115,13 +115,6 @@ def parse_shapes(text: str) -> list[tuple[int, int]]:
     Raises:
         ValueError: a malformed or non-positive item.
     """
-    shapes = []
-    for item in (x.strip() for x in text.split(",") if x.strip()):
-        try:
-            beams, length = (int(v) for v in item.lower().split("x"))
-        except ValueError:
-            raise ValueError(f"shape {item!r}: expected NUM_BEAMSxDRAFT_LEN, e.g. 4x4") from None
-        if beams < 1 or length < 1:
-            raise ValueError(f"shape {item!r}: both numbers must be >= 1")
-        shapes.append((beams, length))
-    return shapes
+    from cluster.goodput import parse_shape
+
+    return [parse_shape(x.strip()) for x in text.split(",") if x.strip()]
