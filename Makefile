@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 
-.PHONY: install up test bench
+.PHONY: install up test bench k8s
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -31,3 +31,8 @@ test: install
 
 bench: install
 	$(BIN)/python benchmarks/spec_vs_plain.py --config configs/local.yaml
+
+# Kubernetes examples in k8s/, rendered from the presets (tests/cluster/k8s checks they are current).
+k8s: install
+	$(BIN)/rdserve k8s render --config configs/cpu-demo.yaml --out k8s/cpu-demo
+	$(BIN)/rdserve k8s render --config configs/gpu-tp8.yaml --out k8s/gpu-tp8

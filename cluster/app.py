@@ -10,20 +10,23 @@ from ray.serve.config import AutoscalingPolicy, RequestRouterConfig
 
 from cluster.config import RdserveConfig
 from cluster.openai_api import OpenAIIngress
+from cluster.placement import tp_placement_options
 from cluster.replica import EngineReplica
 
 APP_NAME = "rdserve"
 
-SERVE_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
+SERVE_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2"}
 """Environment ``rdserve up`` gives Ray (an operator's own value wins): Ray Serve's throughput mode
 runs replica code on the replica's event loop instead of a second thread, talks gRPC between proxy
 and replicas, serves HTTP at the ingress replica directly and freezes start-up objects out of the
 garbage collector; every token of a stream crosses fewer threads and processes
-(``benchmarks/served_vs_engine.py``)."""
+(``benchmarks/served_vs_engine.py``). A stopping ingress replica stays reachable 2 s (Serve's default
+30 s, for load balancers to deregister it): ``rdserve up`` has drained it already (``cluster.drain``)."""
 
 def engine_actor_options(cfg: RdserveConfig) -> dict:
     """Ray resources of one engine replica: ``serve.num_cpus_per_replica`` CPUs, plus one GPU (chosen by Ray)
-    for a CUDA device."""
+    for a CUDA device: rank 0's; with ``engine.tp_size`` > 1 the other ranks' GPUs are placement-group
+    bundles (``cluster.placement``)."""
     return {"num_cpus": cfg.serve.num_cpus_per_replica, "num_gpus": 1 if cfg.engine.device.startswith("cuda") else 0}
 
 
@@ -32,10 +35,10 @@ def replacement_options(cfg: RdserveConfig) -> dict:
     redeploy) first finishes its streams, for at most ``graceful_shutdown_timeout_s``; a redeploy starts
     each replacement before stopping the replica it replaces (``max_surge_percent`` 100; every
     ``serve.run`` of a Python application is a new code version to Serve, so it replaces every replica).
-    Without autoscaling: Serve's defaults (20 s, stop first)."""
+    Without autoscaling: ``serve.drain_timeout_s`` to finish streams, stop first."""
     scaling = cfg.serve.autoscaling
     if scaling is None:
-        return {}
+        return {"graceful_shutdown_timeout_s": cfg.serve.drain_timeout_s, "graceful_shutdown_wait_loop_s": 1.0}
     return {"graceful_shutdown_timeout_s": scaling.graceful_shutdown_timeout_s,
             "graceful_shutdown_wait_loop_s": 1.0,  # how often a stopping replica checks for finished streams
             "max_surge_percent": 100}
@@ -103,6 +106,7 @@ def _engine_deployment(cfg: RdserveConfig, name: str = "EngineReplica"):
         **replica_count_options(cfg),
         **replacement_options(cfg),
         **request_router_options(cfg),
+        **tp_placement_options(cfg),
         ray_actor_options=engine_actor_options(cfg),
         max_ongoing_requests=cfg.serve.max_ongoing_requests,
         max_queued_requests=cfg.serve.max_queued_requests or -1,
@@ -117,13 +121,27 @@ def build_app(cfg: RdserveConfig) -> Application:
     """
     if cfg.serve.pools is None:
         engine = _engine_deployment(cfg)
-        return OpenAIIngress.options(**replacement_options(cfg)).bind(engine, cfg.model.name)
+        return OpenAIIngress.options(**replacement_options(cfg)).bind(engine, cfg.model.name, serve_cfg=cfg.serve)
     pools = {name: _engine_deployment(pcfg, f"EngineReplica{name.title()}") for name, pcfg in pool_configs(cfg).items()}
     policy = {"calibration": str(cfg.engine.spec_calibration),
               "shape": [cfg.engine.num_beams, cfg.engine.draft_len_per_beam]}
     scaling = cfg.serve.pools.spec.autoscaling or cfg.serve.pools.plain.autoscaling
     ingress_cfg = cfg.model_copy(update={"serve": cfg.serve.model_copy(update={"autoscaling": scaling})})
-    return OpenAIIngress.options(**replacement_options(ingress_cfg)).bind(pools, cfg.model.name, policy)
+    return OpenAIIngress.options(**replacement_options(ingress_cfg)).bind(pools, cfg.model.name, policy, serve_cfg=cfg.serve)
+
+
+def app_builder(args: dict) -> Application:
+    """Application builder for Ray's declarative Serve config (``import_path: cluster.app:app_builder``:
+    ``serve run``, ``serve deploy``, KubeRay ``serveConfigV2``): ``args`` is ``{"config": {...}}`` (the
+    rdserve config inline) or ``{"config_path": "configs/local.yaml"}``; relative paths resolve against
+    the project root (:func:`cluster.serve_config.config_from_args`). Returns what ``rdserve up`` deploys.
+
+    Raises:
+        ConfigError: bad ``args`` or config, naming the field.
+    """
+    from cluster.serve_config import config_from_args
+
+    return build_app(config_from_args(args))
 
 
 def deploy(cfg: RdserveConfig, name: str = APP_NAME, route_prefix: str = "/") -> None:

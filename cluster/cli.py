@@ -17,8 +17,10 @@ from rich.console import Console
 
 from cluster.calibrate_cli import calibrate
 from cluster.config import ConfigError, RdserveConfig, check_startable, load_config
+from cluster.deploy_cli import k8s_app, serve_config_command
 from cluster.evaluation.bench_cli import bench
 from cluster.evaluation.eval_cli import evaluate
+from cluster.observability.cli import dashboards_app, observability_app
 from workers.training.cli import drafter_app
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "local.yaml"
@@ -32,6 +34,10 @@ app.add_typer(drafter_app, name="drafter")
 app.command("bench")(bench)
 app.command("eval")(evaluate)
 app.command("calibrate")(calibrate)
+app.add_typer(dashboards_app, name="dashboards")
+app.add_typer(observability_app, name="observability")
+app.command("serve-config")(serve_config_command)
+app.add_typer(k8s_app, name="k8s")
 
 console = Console()
 err_console = Console(stderr=True)
@@ -66,7 +72,9 @@ def _with_model_dir(cfg: RdserveConfig) -> RdserveConfig:
 def up(config: Path = ConfigOption) -> None:
     """Start Ray and Serve locally, deploy the OpenAI-compatible API and serve in the foreground.
 
-    Ctrl-C or SIGTERM shuts Serve and Ray down.
+    Ctrl-C or SIGTERM drains (new requests get 503 + Retry-After; those in flight have
+    serve.drain_timeout_s to finish, the rest end with an error), then shuts Serve and Ray down (exit 0).
+    A second signal stops at once.
     """
     cfg = _with_model_dir(_startable_config(config))
     from cluster.app import SERVE_ENV, deploy
@@ -77,7 +85,14 @@ def up(config: Path = ConfigOption) -> None:
     from ray import serve
 
     local_only = cfg.serve.host in ("127.0.0.1", "localhost")  # keep Ray's own ports on loopback too
-    ray.init(include_dashboard=False, logging_level=logging.WARNING,
+    metrics_port = cfg.observability.metrics_port  # Ray's metrics agent serves Prometheus text there
+    from cluster.observability.http import port_in_use
+
+    if port_in_use(metrics_port):
+        err_console.print(f"[red]config error[/red]: observability.metrics_port: port {metrics_port} is in use "
+                          "(another Ray or rdserve?); choose a free port", highlight=False)
+        raise typer.Exit(2)
+    ray.init(include_dashboard=False, logging_level=logging.WARNING, _metrics_export_port=metrics_port,
              **({"_node_ip_address": "127.0.0.1"} if local_only else {}))
     stop = threading.Event()
 
@@ -96,10 +111,24 @@ def up(config: Path = ConfigOption) -> None:
         _print_ready(cfg, base_url)
         while not stop.wait(1.0):
             pass
-        console.print("shutting down")
+        _drain(cfg)
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+def _drain(cfg: RdserveConfig) -> None:
+    """Graceful drain before shutdown (``cluster.drain``): new requests get 503, those in flight have
+    ``serve.drain_timeout_s`` to finish, the rest end with an error."""
+    from cluster.app import APP_NAME
+    from cluster.drain import drain_app
+
+    console.print(f"draining: finishing the requests in flight (up to {cfg.serve.drain_timeout_s:g} s)")
+    try:
+        report = drain_app(APP_NAME, cfg.serve.drain_timeout_s)
+        console.print(f"drained: {report['finished']} finished, {report['aborted']} aborted; shutting down")
+    except Exception as err:  # shut down anyway
+        err_console.print(f"drain failed ({type(err).__name__}: {err}); shutting down")
 
 
 def _wait_until_healthy(cfg: RdserveConfig) -> str:
@@ -136,6 +165,10 @@ def _print_ready(cfg: RdserveConfig, base_url: str) -> None:
                       f"{kv['tokens']} tokens, {kv['mib']} MiB")
     except (httpx.HTTPError, KeyError, ValueError):
         pass
+    if cfg.observability.enabled:
+        host = base_url.rsplit(":", 1)[0]
+        console.print(f"metrics (Prometheus): {host}:{cfg.observability.metrics_port}/metrics (Ray's metrics agent; "
+                      f"also proxied at {base_url}/metrics)", highlight=False, soft_wrap=True)
     print(f"try:\n  curl {base_url}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'")
     print("Ctrl-C to stop.", flush=True)
 

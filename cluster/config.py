@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, SecretStr, ValidationError, ValidationInfo,
+                      field_validator, model_validator)
 
+from cluster.auth import ApiKeySource, parse_api_keys, resolve_keys
+from cluster.k8s.settings import KubernetesConfig
 from workers.spec_schedule import SpecSchedule
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -56,6 +59,10 @@ class EngineConfig(_Section):
     backend: Literal["torch", "tensorrt_llm"] = "torch"
     device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d+)?)$", description="cpu | cuda | cuda:N")
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    weights: Literal["auto", "gguf", "float32"] = Field(
+        "auto", description="'gguf': serve the model's GGUF Q4_1/Q8_0 blocks as shipped (CPU, float32 activations); "
+        "'float32': the dequantized weights; 'auto': gguf where the model came from a GGUF file (the default model) "
+        "and the engine runs float32 on CPU with tp_size 1, else float32")
     tp_size: int = Field(1, ge=1, description="tensor-parallel ranks per replica")
     num_beams: int = Field(4, ge=1, le=16, description="ReDrafter beams drafted per step")
     draft_len_per_beam: int = Field(4, ge=1, le=16, description="draft tokens per beam")
@@ -203,6 +210,23 @@ class ServeConfig(_Section):
         "to complete first, from each replica's load, free KV blocks, step time and tokens per step; see "
         "cluster.replica_ranking) or 'pow2' (Ray Serve's default: the shorter queue of two random replicas)",
     )
+    api_keys: Annotated[list[SecretStr] | ApiKeySource | None, BeforeValidator(parse_api_keys)] = Field(
+        None, description="require 'Authorization: Bearer KEY' on /v1/* (cluster.auth): a list of keys, or "
+        "{env: VAR} / {file: PATH} to read them where the ingress runs; null = no authentication")
+    request_timeout_s: float | None = Field(None, gt=0, description="a request still running after this many "
+                                            "seconds is aborted: 504, or an error event in a stream; null = no limit")
+    drain_timeout_s: float = Field(30.0, gt=0, description="on shutdown (SIGTERM, Ctrl-C) or when Serve stops a "
+                                   "replica without autoscaling, requests in flight may finish for this long "
+                                   "before they are aborted with an error")
+
+
+class ObservabilityConfig(_Section):
+    """Metrics (``cluster.observability``): recorded with Ray's metrics API, exported by Ray's metrics agent."""
+
+    enabled: bool = Field(True, description="record rdserve's metrics (false: the engine counts nothing and "
+                          "replicas record nothing; Ray's own metrics stay)")
+    metrics_port: int = Field(8080, ge=1, le=65535, description="port of Ray's metrics agent (Prometheus text at "
+                              "/metrics) on each node started by `rdserve up`")
 
 
 class RdserveConfig(_Section):
@@ -211,6 +235,9 @@ class RdserveConfig(_Section):
     engine: EngineConfig = Field(default_factory=EngineConfig)
     router: RouterConfig = Field(default_factory=RouterConfig)
     serve: ServeConfig = Field(default_factory=ServeConfig)
+    observability: ObservabilityConfig = Field(default_factory=ObservabilityConfig)
+    kubernetes: KubernetesConfig = Field(default_factory=KubernetesConfig, description="pods of `rdserve k8s "
+                                         "render` (cluster.k8s); unused by local runs")
 
     @model_validator(mode="after")
     def _auto_needs_calibration(self):
@@ -289,6 +316,10 @@ def check_startable(cfg: RdserveConfig, cuda_available: bool | None = None, cali
     Raises:
         ConfigError: naming the field that cannot be honoured here.
     """
+    try:  # keys from an environment variable or file: this machine must have them (the ingress runs here)
+        resolve_keys(cfg.serve.api_keys)
+    except ValueError as err:
+        raise ConfigError(f"serve.api_keys: {err}") from None
     eng = cfg.engine
     if eng.backend == "tensorrt_llm":
         installed = importlib.util.find_spec("tensorrt_llm") is not None

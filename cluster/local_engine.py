@@ -7,13 +7,14 @@ import os
 from cluster.config import RdserveConfig
 
 
-def build_engine(cfg: RdserveConfig):
+def build_engine(cfg: RdserveConfig, tp_gpus: list[str] | None = None):
     """Load model and drafter per ``cfg``; a null ``model.path`` pulls the default model (cached).
 
     A null ``engine.num_threads`` shares the machine's cores among the replicas (Ray would
     otherwise give each actor ``OMP_NUM_THREADS=1``).
 
-    ``engine.tp_size > 1`` runs the base model on that many MPI ranks (``workers.tp``).
+    ``engine.tp_size > 1`` runs the base model on that many MPI ranks (``workers.tp``); on CUDA,
+    ``tp_gpus`` pins rank r to GPU ``tp_gpus[r]`` (``cluster.placement.placement_gpu_ids`` in a replica).
     ``engine.spec_schedule: auto`` gives the engine the live goodput model (:func:`spec_controller`).
 
     Returns a ``workers.engine.Engine``.
@@ -30,6 +31,7 @@ def build_engine(cfg: RdserveConfig):
         max_num_tokens=eng.max_num_tokens, max_prefill_chunk=eng.max_prefill_chunk,
         tokens_per_block=eng.tokens_per_block, num_kv_blocks=eng.num_kv_blocks,
         kv_cache_fraction=eng.kv_cache_fraction,
+        weights=eng.weights,
         num_threads=num_threads(cfg),
     )
     factory = policy = None
@@ -38,7 +40,7 @@ def build_engine(cfg: RdserveConfig):
     if eng.tp_size > 1:
         from workers.tp.executor import tp_executor_factory
 
-        factory = tp_executor_factory(str(model_dir), eng.tp_size, options.num_threads)
+        factory = tp_executor_factory(str(model_dir), eng.tp_size, options.num_threads, tp_gpus)
     return Engine(str(model_dir), str(drafter_dir) if drafter_dir else None, options, executor_factory=factory,
                   spec_policy=policy, tp_size=eng.tp_size)
 

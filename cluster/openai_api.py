@@ -16,6 +16,7 @@ import time
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
+from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel
@@ -32,7 +33,13 @@ from cluster.protocol import (
     RequestError,
     error_body,
 )
+from cluster.auth import ApiKeys, BearerAuth, resolve_keys
+from cluster.config import ServeConfig
+from cluster.disconnect import QuietDisconnect
+from cluster.drain import Admission
 from cluster.goodput import StepCosts
+from cluster.observability.http import add_metrics_routes
+from cluster.limits import Interrupted, RequestGuard
 from cluster.pools import PoolLoad, TrackedStream
 from cluster.replica import EngineRequest, Failed, Started
 from cluster.responses import ChatFormat, CompletionFormat, sse, stats_of, usage_of
@@ -45,6 +52,10 @@ REPLICA_COUNTS_TIMEOUT_S = 2.0
 POOL_REFRESH_S = 1.0
 
 api = FastAPI(title="rdserve", description="OpenAI-compatible LLM serving with ReDrafter speculative decoding.")
+API_KEYS = ApiKeys()  # installed by the ingress (one per process: a Serve replica); off until then
+api.add_middleware(BearerAuth, keys=API_KEYS)
+api.add_middleware(QuietDisconnect)  # outermost: a client that left is a disconnect, not an exception
+add_metrics_routes(api)  # GET /metrics, request_failure counts (outermost: sees 401s too)
 
 
 @api.exception_handler(RequestValidationError)
@@ -60,9 +71,20 @@ async def _invalid_request(_: Request, exc: RequestValidationError) -> JSONRespo
 
 @api.exception_handler(StarletteHTTPException)
 async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-    """Unknown paths (404) and wrong methods (405) in the OpenAI error envelope."""
-    return JSONResponse(error_body(str(exc.detail), None, "invalid_request_error"), status_code=exc.status_code,
+    """Unknown paths (404) and wrong methods (405) in the OpenAI error envelope; a body FastAPI cannot
+    parse (400) is named as ``body``."""
+    message = f"body: {exc.detail}" if exc.status_code == 400 else str(exc.detail)
+    return JSONResponse(error_body(message, None, "invalid_request_error"), status_code=exc.status_code,
                         headers=getattr(exc, "headers", None))
+
+
+class ModelNotFound(Exception):
+    """A request for a model this server does not serve: 404 ``model_not_found`` (as OpenAI and vLLM)."""
+
+
+@api.exception_handler(ModelNotFound)
+async def _model_not_found(_: Request, exc: ModelNotFound) -> JSONResponse:
+    return JSONResponse(error_body(str(exc), "model", "invalid_request_error", "model_not_found"), status_code=404)
 
 
 @api.exception_handler(RequestError)
@@ -75,14 +97,32 @@ def _failed_response(failed: Failed) -> JSONResponse:
     return JSONResponse(error_body(failed.message, failed.param, kind), status_code=failed.status)
 
 
+def _unavailable(message: str, retry_after_s: int) -> JSONResponse:
+    """503 with ``Retry-After`` (seconds; see :mod:`cluster.limits`)."""
+    return JSONResponse(error_body(message, None, "server_error"), status_code=503,
+                        headers={"Retry-After": str(retry_after_s)})
+
+
+def _interrupted_response(err: Interrupted) -> JSONResponse:
+    """Before the first byte: a timed-out request is 504, one aborted by a drain 503."""
+    status = 504 if err.reason == "timeout" else 503
+    return JSONResponse(error_body(err.message, None, "server_error", err.reason), status_code=status)
+
+
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=256)
 @serve.ingress(api)
 class OpenAIIngress:
     """``engine``: the engine deployment's handle, or in two-pool mode ``{"spec": handle, "plain":
     handle}`` with ``pool_policy`` ``{"calibration": path, "shape": [num_beams, draft_len_per_beam]}``
-    (the spec pool's shape); each request then goes to the pool :mod:`cluster.pools` chooses."""
+    (the spec pool's shape); each request then goes to the pool :mod:`cluster.pools` chooses.
+    ``serve_cfg``: API keys, request timeout and drain timeout (``serve.*``; default: none of them)."""
 
-    def __init__(self, engine: DeploymentHandle | dict, model_name: str, pool_policy: dict | None = None):
+    def __init__(self, engine: DeploymentHandle | dict, model_name: str, pool_policy: dict | None = None,
+                 serve_cfg: ServeConfig | None = None):
+        serve_cfg = serve_cfg or ServeConfig()
+        API_KEYS.set(resolve_keys(serve_cfg.api_keys))  # ValueError (never a key) when the env var/file is missing
+        self.admission = Admission(serve_cfg.request_timeout_s)
+        self.drain_timeout_s = serve_cfg.drain_timeout_s
         self.engines = engine if isinstance(engine, dict) else {"engine": engine}
         self.engine = next(iter(self.engines.values()))  # health's engine stats (the spec pool's with pools)
         self.model_name = model_name
@@ -124,6 +164,9 @@ class OpenAIIngress:
         except Exception as err:
             return JSONResponse({"status": "unavailable", "error": str(err), "replicas": await replicas},
                                 status_code=503)
+        if stats.get("failure") or self.admission.draining:  # a broken engine (Serve replaces it), or a drain
+            status, error = ("draining", "shutting down") if self.admission.draining else ("unavailable", stats["failure"])
+            return JSONResponse({"status": status, "error": error, **stats, "replicas": await replicas}, status_code=503)
         pools = None if self.pool_load is None else {"in_flight": self.pool_load.in_flight, "spec_tau": self.pool_load.tau}
         return JSONResponse({"status": "ok", "model": self.model_name, **stats, "replicas": await replicas,
                              **({"pools": pools} if pools else {})})
@@ -152,10 +195,30 @@ class OpenAIIngress:
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
-            raise RequestError("model", f"model: '{model}' is not served here; available: '{self.model_name}'")
+            raise ModelNotFound(f"model: '{model}' does not exist here; available: '{self.model_name}'")
+
+    async def drain(self, timeout_s: float | None = None) -> dict:
+        """Graceful drain (:mod:`cluster.drain`), called through a handle by ``rdserve up`` on SIGTERM:
+        503 + ``Retry-After`` for new requests, ``timeout_s`` (default ``serve.drain_timeout_s``) for those
+        in flight, then the rest end with an error. Returns the drain's report."""
+        return await self.admission.drain(self.drain_timeout_s if timeout_s is None else timeout_s)
 
     async def _respond(self, req: EngineRequest, body: ChatCompletionRequest | CompletionRequest,
                        fmt: ChatFormat | CompletionFormat):
+        guard = self.admission.admit()
+        if guard is None:
+            return _unavailable("server shutting down: not admitting new requests", self.admission.retry_after())
+        streaming = False
+        try:
+            response = await self._start(req, body, fmt, guard)
+            streaming = isinstance(response, StreamingResponse)  # _events ends the request
+            return response
+        finally:
+            if not streaming:
+                self.admission.done(guard)
+
+    async def _start(self, req: EngineRequest, body: ChatCompletionRequest | CompletionRequest,
+                     fmt: ChatFormat | CompletionFormat, guard: RequestGuard):
         handle, pool, reason = self.engine, None, None
         if self.pool_load is not None:
             if self._refresh is None:
@@ -168,10 +231,14 @@ class OpenAIIngress:
             self.pool_load.started(pool)
             stream = TrackedStream(stream, functools.partial(self.pool_load.finished, pool))
         try:
-            started = await stream.__anext__()
+            started = await guard.next(stream)
         except BackPressureError as err:  # serve.max_queued_requests reached: retry later
             log.warning("request rejected: %s", err)
-            return _failed_response(Failed(503, "server overloaded: too many queued requests, retry later"))
+            return _unavailable("server overloaded: too many queued requests, retry later", self.admission.retry_after())
+        except Interrupted as err:  # timed out (or drained) before its first token
+            stream.cancel()
+            log.info("request %s ended: %s", fmt.id, err.reason)
+            return _interrupted_response(err)
         except Exception as err:
             log.exception("engine replica unavailable")
             return _failed_response(Failed(500, f"engine unavailable: {type(err).__name__}: {err}"))
@@ -181,21 +248,29 @@ class OpenAIIngress:
             return _failed_response(started)
         if reason is not None:
             started = dataclasses.replace(started, reason=f"{reason}; replica: {started.reason}")
+        headers = {"X-Rdserve-Replica": started.replica}
         if body.stream:
-            return StreamingResponse(self._events(stream, started, body.include_usage, fmt),
-                                     media_type="text/event-stream")
-        return await self._collect(stream, started, fmt)
+            return StreamingResponse(self._events(stream, started, body.include_usage, fmt, guard),
+                                     media_type="text/event-stream", headers=headers)
+        response = await self._collect(stream, started, fmt, guard)
+        if isinstance(response, BaseModel):
+            response = JSONResponse(jsonable_encoder(response), headers=headers)
+        return response
 
     async def _collect(self, stream: DeploymentResponseGenerator, started: Started,
-                       fmt: ChatFormat | CompletionFormat) -> JSONResponse | BaseModel:
+                       fmt: ChatFormat | CompletionFormat, guard: RequestGuard) -> JSONResponse | BaseModel:
         pieces, last = [], None
         try:
-            async for item in stream:
+            async for item in guard.items(stream):
                 if isinstance(item, Failed):
                     stream.cancel()  # over: a pool counts the request out now
                     return _failed_response(item)
                 pieces.append(item.text)
                 last = item
+        except Interrupted as err:
+            stream.cancel()
+            log.info("request %s ended: %s", fmt.id, err.reason)
+            return _interrupted_response(err)
         except Exception as err:
             log.exception("generation stream broke")
             return _failed_response(Failed(500, f"engine error: {type(err).__name__}: {err}"))
@@ -204,13 +279,14 @@ class OpenAIIngress:
         return fmt.response("".join(pieces), last.finish_reason, usage_of(last), stats_of(started, last))
 
     async def _events(self, stream: DeploymentResponseGenerator, started: Started, include_usage: bool,
-                      fmt: ChatFormat | CompletionFormat) -> AsyncIterator[str]:
-        """SSE body; on client disconnect the handle call is cancelled, which stops the engine."""
+                      fmt: ChatFormat | CompletionFormat, guard: RequestGuard) -> AsyncIterator[str]:
+        """SSE body; on client disconnect the handle call is cancelled, which stops the engine
+        (logged at INFO with the response id); a timeout or an aborting drain ends it with an error event."""
         finished = False
         try:
             for chunk in fmt.opening_chunks():
                 yield sse(chunk)
-            async for item in stream:
+            async for item in guard.items(stream):
                 if isinstance(item, Failed):
                     yield sse(error_body(item.message, item.param, "server_error"))
                     finished = True
@@ -223,10 +299,18 @@ class OpenAIIngress:
                     yield sse(fmt.chunk(item.text))
             if not finished:
                 yield sse(error_body("engine error: the generation ended without a final step", None, "server_error"))
+            finished = True
+        except Interrupted as err:
+            log.info("request %s ended: %s", fmt.id, err.reason)
+            yield sse(error_body(err.message, None, "server_error", err.reason))
         except Exception as err:
             log.exception("generation stream broke")
             yield sse(error_body(f"engine error: {type(err).__name__}: {err}", None, "server_error"))
+        except (asyncio.CancelledError, GeneratorExit):  # the client went away
+            log.info("request %s cancelled by the client", fmt.id)
+            raise
         finally:
             if not finished:
                 stream.cancel()
+            self.admission.done(guard)
         yield "data: [DONE]\n\n"

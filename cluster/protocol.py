@@ -38,9 +38,9 @@ class RequestError(ValueError):
         self.message = message
 
 
-def error_body(message: str, param: str | None, type_: str = "invalid_request_error") -> dict:
+def error_body(message: str, param: str | None, type_: str = "invalid_request_error", code: str | None = None) -> dict:
     """The OpenAI error envelope."""
-    return {"error": {"message": message, "type": type_, "param": param, "code": None}}
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
 MAX_PROMPT_CHARS_PER_TOKEN = 32

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
@@ -19,6 +20,8 @@ from ray.serve.exceptions import RayServeException
 
 from cluster.config import RdserveConfig
 from cluster.local_engine import build_engine
+from cluster.observability.recorder import ReplicaMetrics
+from cluster.placement import placement_gpu_ids, uses_gpu_placement
 from cluster.protocol import RequestError, check_prompt_chars, resolve_max_tokens
 from cluster.replica_stats import TtftWindow, engine_stats
 from cluster.router import choose_mode
@@ -80,13 +83,15 @@ class EngineReplica:
     """Ray Serve deployment; ``generate`` streams ``Started``, then engine deltas, or one ``Failed``."""
 
     def __init__(self, cfg: RdserveConfig):
-        self.async_engine = AsyncEngine(lambda: build_engine(cfg))  # built on the engine's own thread
+        gpus = placement_gpu_ids(cfg.engine.tp_size) if uses_gpu_placement(cfg) else None  # rank r -> GPU
+        self.async_engine = AsyncEngine(lambda: build_engine(cfg, gpus))  # built on the engine's own thread
         self.engine = self.async_engine.engine
         self.router = cfg.router
         self.per_iteration = cfg.engine.spec_schedule == "auto"
         self.load = 0
         self.ttft = TtftWindow()
         self.replica_id = serve_replica_id()
+        self.metrics = ReplicaMetrics(self.async_engine, cfg.model.name) if cfg.observability.enabled else None
         log.info("%s", self.engine.kv_size)
         log.info("engine ready: model %s, drafter %s", cfg.model.path or "default", cfg.drafter.path)
 
@@ -94,11 +99,13 @@ class EngineReplica:
         """Ray Serve's health probe: a replica whose tensor-parallel rank died is replaced.
 
         Raises:
-            RuntimeError: the executor lost a rank (every iteration would fail).
+            RuntimeError: the executor lost a rank (every iteration would fail), or the engine thread died.
         """
         failure = self.engine.executor.failure
         if failure is not None:
             raise RuntimeError(f"engine executor failed: {failure}")
+        if not self.async_engine.alive:
+            raise RuntimeError("the engine thread has stopped")
 
     def record_routing_stats(self) -> dict:
         """Ray Serve's routing-stats hook: see :mod:`cluster.replica_stats`."""
@@ -116,13 +123,28 @@ class EngineReplica:
         kv, blocks = self.engine.kv_size, self.engine.blocks
         return {"load": self.load, "speculative_available": self.engine.speculative_available,
                 "kv_cache": {"blocks": kv.num_blocks, "tokens_per_block": kv.block_size, "tokens": kv.num_tokens,
-                             "mib": round(kv.mib, 1), "free_blocks": blocks.num_free_blocks}}
+                             "mib": round(kv.mib, 1), "free_blocks": blocks.num_free_blocks},
+                **({"failure": str(self.engine.executor.failure)} if self.engine.executor.failure else {})}
+
+    def processes(self) -> dict:
+        """OS processes of this replica, for operators and fault-injection tests: ``{"pid": int,
+        "tp_pids": [rank 0, rank 1, ...]}`` (``tp_pids`` empty without tensor parallelism)."""
+        comm = getattr(self.engine.executor, "comm", None)
+        return {"pid": os.getpid(), "tp_pids": list(getattr(comm, "pids", []) or [])}
+
+    def stall_engine_for_test(self, seconds: float) -> None:
+        """Fault-injection hook: the engine thread sleeps ``seconds`` before its next iteration, stalling
+        every request in flight (as a hung step would). Reached only through a Serve handle, never HTTP."""
+        self.async_engine.call_soon(time.sleep, seconds)
 
     async def generate(self, req: EngineRequest) -> AsyncIterator[Started | Failed | GenerationDelta]:
         self.load += 1
+        timing = self.metrics.request() if self.metrics else None
         try:
             async with contextlib.aclosing(self._generate(req)) as items:
                 async for item in items:
+                    if timing:
+                        timing.see(item)
                     yield item
         except EngineFailure as err:  # an iteration failed: every request in it ends with 500
             yield Failed(500, str(err))

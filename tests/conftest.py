@@ -20,6 +20,18 @@ TINY_VARIANTS = {
     "tied_sharp": dict(seed=0, tie=True, kv_heads=2, scale=3.0),
     "untied_mqa": dict(seed=1, tie=False, kv_heads=1, layers=3, scale=4.0),
 }
+# The same models shipped as GGUF ("<variant>@gguf", tiny_gguf.weights_variant).
+
+
+def _make_tiny(root, name):
+    from tiny_gguf import GGUF_SUFFIX, make_tiny_gguf
+    from tiny_model import make_tiny_model_dir
+
+    base = name.removesuffix(GGUF_SUFFIX)
+    path = make_tiny_model_dir(root / name.replace("@", "-"), **TINY_VARIANTS[base])
+    if name.endswith(GGUF_SUFFIX):
+        make_tiny_gguf(path)
+    return path
 
 
 class _BuiltOnDemand(dict):
@@ -37,11 +49,10 @@ class _BuiltOnDemand(dict):
 
 @pytest.fixture(scope="session")
 def tiny_model_dirs(tmp_path_factory):
-    """``{variant: model dir}`` for the entries of ``TINY_VARIANTS``, each built once per session."""
-    from tiny_model import make_tiny_model_dir
-
+    """``{variant: model dir}`` for the entries of ``TINY_VARIANTS`` (and ``<variant>@gguf``), each
+    built once per session."""
     root = tmp_path_factory.mktemp("tiny_models")
-    return _BuiltOnDemand(lambda name: make_tiny_model_dir(root / name, **TINY_VARIANTS[name]))
+    return _BuiltOnDemand(lambda name: _make_tiny(root, name))
 
 
 @pytest.fixture(scope="session")
@@ -50,4 +61,4 @@ def trained_drafter_dirs(tiny_model_dirs, tmp_path_factory):
     from tiny_model import make_trained_tiny_drafter_dir
 
     root = tmp_path_factory.mktemp("tiny_drafters")
-    return _BuiltOnDemand(lambda name: make_trained_tiny_drafter_dir(tiny_model_dirs[name], root / name))
+    return _BuiltOnDemand(lambda name: make_trained_tiny_drafter_dir(tiny_model_dirs[name], root / name.replace("@", "-")))

@@ -60,15 +60,24 @@ class AsyncEngine:
         self.engine: Engine = built.result()
 
     @property
+    def alive(self) -> bool:
+        """The engine thread is running (False after :meth:`shutdown` or a crash outside an iteration)."""
+        return self._thread.is_alive()
+
+    @property
     def num_requests(self) -> int:
         """Requests submitted and not yet finished (the replica's load)."""
         return len(self._sinks)
 
     async def call(self, fn: Callable, *args):
         """Run ``fn(*args)`` on the engine thread between iterations (tokenizer, engine queries)."""
+        return await asyncio.wrap_future(self.call_soon(fn, *args))
+
+    def call_soon(self, fn: Callable, *args) -> Future:
+        """Queue ``fn(*args)`` for the engine thread (between iterations) without waiting; its result's Future."""
         future: Future = Future()
         self._submit(("call", fn, args, future))
-        return await asyncio.wrap_future(future)
+        return future
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, mode: str,
                        request_id: str | None = None) -> AsyncIterator[GenerationDelta]:
@@ -140,6 +149,8 @@ class AsyncEngine:
                 self.engine.abort(command[1])
             else:
                 _, fn, args, future = command
+                if not future.set_running_or_notify_cancel():  # the caller left (a cancelled request)
+                    continue
                 try:
                     future.set_result(fn(*args))
                 except Exception as err:  # handed to the caller

@@ -15,14 +15,17 @@ thread for servers.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 import torch
 
 from workers.block_manager import BlockManager, KVCacheSize, kv_bytes_per_token, size_kv_cache
+from workers.engine_metrics import EngineStats, EngineStatsDelta
 from workers.executor import LocalExecutor
 from workers.model_runner import ModelRunner, RequestState
+from workers.models.gguf_weights import resolve_weights, use_gguf_weights
 from workers.models.loader import load_model
 from workers.models.tokenizer import apply_chat_template, load_tokenizer
 from workers.redrafter.drafter import load_drafter
@@ -76,6 +79,9 @@ class EngineOptions:
         available after loading the weights) sizes the cache; it is capped at what
         ``max_batch_size`` full-length sequences need.
     tp_size: tensor-parallel ranks of the executor (sizes each rank's share of the KV cache).
+    weights: ``"auto"`` (the model's GGUF quantized blocks where the model came from one and the
+        engine runs float32 on CPU, else float32), ``"gguf"`` or ``"float32"``
+        (:mod:`workers.models.gguf_weights`).
     """
 
     device: str = "cpu"
@@ -92,6 +98,7 @@ class EngineOptions:
     kv_cache_fraction: float = 0.2
     num_threads: int | None = None
     tp_size: int = 1
+    weights: str = "auto"
 
 
 class Engine:
@@ -119,6 +126,8 @@ class Engine:
         self.device = torch.device(opts.device)
         dtype = DTYPES[opts.dtype]
         model = load_model(model_path, dtype, opts.device)
+        gguf = resolve_weights(opts.weights, model_path, opts.dtype, opts.device, opts.tp_size)
+        self.weights = use_gguf_weights(model, gguf, strict=opts.weights == "gguf") if gguf else None
         self.tokenizer = load_tokenizer(model_path)
         cfg = model.config
         self.config = cfg
@@ -145,6 +154,7 @@ class Engine:
             SchedulerConfig(opts.max_batch_size, opts.max_num_tokens, opts.max_prefill_chunk, self.max_seq_len),
             self.blocks,
         )
+        self.stats: EngineStats | None = None  # counts for metrics when set (cluster.observability)
         self.eos_token_ids = set(cfg.eos_token_id)
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
@@ -209,18 +219,31 @@ class Engine:
         seq.extra["stream"] = OutputStream(self.tokenizer, params, self.eos_token_ids)
         seq.extra["steps"] = seq.extra["accepted"] = 0
         seq.extra["spec_state"] = self.spec_policy.new_request_state()
+        if self.stats:
+            self.stats.on_added(request_id)
         self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> bool:
         """Drop a request; its KV blocks are free before the next iteration. False if unknown."""
+        if self.stats:
+            self.stats.on_aborted(request_id)
         return self.scheduler.abort(request_id) is not None
+
+    def drain_stats(self) -> EngineStatsDelta:
+        """Counts since the last call and the state now (``self.stats`` must be set; engine thread only)."""
+        used = 1 - self.blocks.num_free_blocks / self.blocks.num_blocks
+        return self.stats.drain(len(self.scheduler.running), len(self.scheduler.waiting), used)
 
     @torch.inference_mode()
     def step(self) -> list[GenerationDelta]:
         """Run one iteration; returns a delta for each request that emitted tokens (or finished)."""
+        t0, stats = time.perf_counter(), self.stats
         plan = self.scheduler.schedule(self.spec_policy)
         if not plan.context and not plan.generation:
             return []
+        if stats:
+            for seq, _, _ in plan.context:
+                stats.on_scheduled(seq.request_id, t0)
         limits = {}
         for seq, draft in zip(plan.generation, plan.draft_tokens):
             remaining = seq.max_tokens - len(seq.output_token_ids)
@@ -240,13 +263,21 @@ class Engine:
                                              r.accepted_draft_tokens)
                 seq.extra["steps"] += 1
                 # accepted draft tokens that were emitted (a stop inside the block drops the rest)
-                seq.extra["accepted"] += min(r.accepted_draft_tokens, len(stream.token_ids) - emitted)
+                accepted = min(r.accepted_draft_tokens, len(stream.token_ids) - emitted)
+                seq.extra["accepted"] += accepted
+                if stats:
+                    stats.on_generation_step(limit, accepted)
+            if stats:
+                stats.on_tokens(seq.request_id, len(seq.prompt_token_ids), emitted, len(stream.token_ids), out.finished)
             deltas.append(GenerationDelta(
                 out.text, out.token_ids, out.finished, out.finish_reason, len(seq.prompt_token_ids),
                 len(stream.token_ids), seq.extra["steps"], seq.extra["accepted"], seq.request_id,
             ))
             if out.finished:
                 self.scheduler.finish(seq)
+        if stats:
+            stats.on_iteration(len(plan.context), len(plan.generation), plan.spec_shape, len(plan.preempted),
+                               time.perf_counter() - t0)
         return deltas
 
     def generate(self, prompt_ids: list[int], params: SamplingParams, mode: str,

@@ -56,7 +56,8 @@ def base_url(tiny_config):
     from cluster.app import deploy
 
     port = _free_port()
-    ray.init(num_cpus=4, include_dashboard=False, logging_level=logging.WARNING)
+    ray.init(num_cpus=4, include_dashboard=False, logging_level=logging.WARNING,
+             _system_config={"metrics_report_interval_ms": 1000})  # metrics reach the agent within ~1 s
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         deploy(tiny_config)

@@ -109,7 +109,7 @@ def cfg_with(serve: dict, engine: dict | None = None):
 def test_fixed_replicas_keep_todays_options():
     cfg = cfg_with({"replicas": 3})
     assert replica_count_options(cfg) == {"num_replicas": 3}
-    assert replacement_options(cfg) == {}
+    assert replacement_options(cfg) == {"graceful_shutdown_timeout_s": 30.0, "graceful_shutdown_wait_loop_s": 1.0}
 
 
 def test_autoscaling_options_carry_bounds_delays_policy_and_graceful_shutdown():

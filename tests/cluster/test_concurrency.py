@@ -49,8 +49,39 @@ def test_full_queue_answers_503_and_the_rest_complete(tight_app):
     responses = asyncio.run(post_all(tight_app, "/v1/completions", bodies))
     codes = sorted(r.status_code for r in responses)
     assert 503 in codes and 200 in codes and set(codes) <= {200, 503}, codes
-    shed = next(r for r in responses if r.status_code == 503).json()["error"]
+    shed_resp = next(r for r in responses if r.status_code == 503)
+    shed = shed_resp.json()["error"]
     assert "overloaded" in shed["message"] and shed["type"] == "server_error"
+    assert 1 <= int(shed_resp.headers["retry-after"]) <= 10  # seconds, from the drain rate (cluster.limits)
     for r in responses:
         if r.status_code == 200:
             assert r.json()["usage"]["completion_tokens"] >= 1
+
+
+def test_openai_client_retries_a_503_after_retry_after(tight_app):
+    """With the engine stalled, two requests fill the tight replica and its queue; the openai client's
+    request gets 503 with Retry-After, waits that long each time, and a retry succeeds."""
+    import threading
+    import time
+
+    import openai
+
+    assert httpx.post(f"{tight_app}/v1/completions", json=body(0, "plain"), timeout=60).status_code == 200
+    serve.get_deployment_handle("EngineReplica", "tight").stall_engine_for_test.remote(6.0).result()
+    seen = []
+    hook = lambda r: seen.append((time.monotonic(), r.status_code, r.headers.get("retry-after")))  # noqa: E731
+    client = openai.OpenAI(base_url=f"{tight_app}/v1", api_key="unused", max_retries=5,
+                           http_client=httpx.Client(event_hooks={"response": [hook]}, timeout=120))
+    fillers = [threading.Thread(target=httpx.post, args=(f"{tight_app}/v1/completions",),
+                                kwargs={"json": body(i, "plain"), "timeout": 120}) for i in range(2)]
+    for t in fillers:  # one admitted by the replica, one in Serve's queue (the stalled engine holds both)
+        t.start()
+        time.sleep(0.5)  # (the tight replica's /health would queue behind them, so it cannot be polled)
+    text = client.completions.create(model=MODEL_NAME, prompt="retry me", max_tokens=4)
+    for t in fillers:
+        t.join()
+    assert text.usage.completion_tokens >= 1
+    assert seen[0][1] == 503 and seen[-1][1] == 200, seen
+    for (t0, status, retry_after), (t1, _, _) in zip(seen, seen[1:]):
+        assert status == 503 and 1 <= int(retry_after) <= 10
+        assert t1 - t0 >= int(retry_after) - 0.2, seen  # the client waited as told

@@ -56,3 +56,32 @@ def test_a_failing_build_raises_in_the_constructor():
 
     with pytest.raises(FileNotFoundError, match="no model here"):
         AsyncEngine(build)
+
+
+def test_a_call_cancelled_while_queued_leaves_the_engine_thread_running(tiny_model_dirs):
+    """A request cancelled while its tokenization waits for the engine thread (a client that left, a
+    timeout) must not stop the thread: its queued call is skipped."""
+    import asyncio
+    import time
+
+    from workers.async_engine import AsyncEngine
+    from workers.engine import Engine
+    from workers.sampling import SamplingParams
+
+    engine = AsyncEngine(lambda: Engine(str(tiny_model_dirs["tied_gqa2"]), None, num_threads=1, max_seq_len=64,
+                                        num_kv_blocks=64, tokens_per_block=4))
+
+    async def main():
+        engine.call_soon(time.sleep, 0.5)  # the engine thread is busy
+        waiting = asyncio.ensure_future(engine.call(engine.engine.encode_prompt, "hello"))
+        await asyncio.sleep(0.05)
+        waiting.cancel()
+        await asyncio.sleep(0.8)  # the thread reaches the cancelled call
+        out = [d async for d in engine.generate([5, 6, 7], SamplingParams(max_tokens=4), "plain")]
+        return out[-1].completion_tokens
+
+    try:
+        assert asyncio.run(asyncio.wait_for(main(), 60)) == 4
+        assert engine.alive
+    finally:
+        engine.shutdown()

@@ -14,6 +14,7 @@ from functools import lru_cache
 
 import pytest
 
+from tiny_gguf import weights_variant
 from workers.engine import Engine, GenerationDelta
 from workers.redrafter.drafter import DrafterConfig, ReDrafter
 from workers.sampling import SamplingParams
@@ -71,8 +72,10 @@ def engines(tiny_model_dirs, trained_drafter_dirs):
 
     @lru_cache(maxsize=None)
     def make(variant: str, num_beams: int, draft_len: int) -> Engine:
-        return Engine(str(tiny_model_dirs[variant]), str(trained_drafter_dirs[variant]),
-                      num_beams=num_beams, draft_len_per_beam=draft_len, max_seq_len=256)
+        engine = Engine(str(tiny_model_dirs[variant]), str(trained_drafter_dirs[variant]),
+                        num_beams=num_beams, draft_len_per_beam=draft_len, max_seq_len=256)
+        assert (engine.weights is not None) == variant.endswith("@gguf")  # GGUF blocks served by default
+        return engine
 
     return make
 
@@ -88,12 +91,14 @@ def stop_strings(text: str) -> list[str]:
     return sorted(s for s in subs if "\ufffd" not in s)
 
 
-def test_greedy_spec_matches_plain_over_random_cases(engines):
-    """36 random cases: beam shapes 1-8 x 1-6, prompt lengths 1-100, max_tokens, EOS, stop strings."""
+@pytest.mark.parametrize("weights", ["float32", "gguf"])
+def test_greedy_spec_matches_plain_over_random_cases(engines, weights):
+    """36 random cases: beam shapes 1-8 x 1-6, prompt lengths 1-100, max_tokens, EOS, stop strings;
+    on float32 weights and on GGUF Q4_1/Q8_0 blocks."""
     multi_token_steps = 0
     for case in range(36):
         rng = random.Random(case)
-        variant = VARIANTS[case % 2]
+        variant = weights_variant(VARIANTS[case % 2], weights)
         engine = engines(variant, rng.randint(1, 8), rng.randint(1, 6))
         prompt = random_prompt(rng, len(engine.tokenizer))
         params = SamplingParams(max_tokens=rng.randint(1, 60))
@@ -136,7 +141,7 @@ def test_greedy_spec_stops_at_eos(engines, tiny_model_dirs):
     assert checked == 6
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", [*VARIANTS, "tied_gqa2@gguf"])
 def test_stops_inside_accepted_blocks(engines, variant):
     """Stop strings at every offset of the plain text (lengths 1-3, also across token boundaries)
     and max_tokens at every value 1..N give identical spec and plain results."""
@@ -167,7 +172,7 @@ def test_stops_inside_accepted_blocks(engines, variant):
     assert used == 3
     assert accepted >= 50
     # The untied model's varied text is harder to draft; the tied one must cut accepted blocks.
-    assert cut_blocks >= (2 if variant == "tied_gqa2" else 0), f"only {cut_blocks} stops fell inside a multi-token accepted block"
+    assert cut_blocks >= (2 if variant.startswith("tied_gqa2") else 0), f"only {cut_blocks} stops fell inside a multi-token accepted block"
 
 
 def test_trained_drafter_accepts_several_tokens_per_step(engines):
@@ -184,8 +189,10 @@ def test_trained_drafter_accepts_several_tokens_per_step(engines):
 
 
 @pytest.mark.slow
-def test_greedy_spec_matches_plain_on_default_model(tmp_path):
-    """SmolLM2-135M-Instruct with a random ``shared`` drafter: 3 chat prompts x 48 tokens."""
+@pytest.mark.parametrize("weights", ["gguf", "float32"])
+def test_greedy_spec_matches_plain_on_default_model(tmp_path, weights):
+    """SmolLM2-135M-Instruct (its shipped Q4_1 blocks, and dequantized) with the committed drafter
+    (else a random ``shared`` one): 3 chat prompts x 48 tokens."""
     from pathlib import Path
 
     import torch
@@ -203,7 +210,8 @@ def test_greedy_spec_matches_plain_on_default_model(tmp_path):
                             base.lm_head.weight.detach().clone())
         drafter_dir = tmp_path / "drafter"
         drafter.save(drafter_dir)
-    engine = Engine(str(model_dir), str(drafter_dir), num_beams=4, draft_len_per_beam=4)
+    engine = Engine(str(model_dir), str(drafter_dir), num_beams=4, draft_len_per_beam=4, weights=weights)
+    assert (engine.weights is not None) == (weights == "gguf")
     questions = ("What is the capital of France?", "Write a haiku about the sea.",
                  "List three prime numbers and explain why they are prime.")
     for question in questions:

@@ -1,15 +1,22 @@
-"""Compile and load the C kernels of :mod:`workers.kernels` once per machine.
+"""Compile and load the C kernels of :mod:`workers.kernels` once per machine and instruction set.
 
-The shared library is built with the system C compiler (``$CC``, default ``cc``) for the host CPU
-(``-O3 -march=native -fopenmp``) into ``$RDSERVE_CACHE/kernels/`` (default ``~/.cache/rdserve``),
-named by a hash of the source, flags, compiler and the CPU's instruction-set flags, and reused by
-every later process on this machine (Serve replicas, MPI ranks, tests). A new build is loaded once
-in a child process before it is published (so a broken library never reaches a server), and a
-SHA-256 written next to it is checked before every load (a damaged file is rebuilt). It links the
-OpenMP runtime torch already loaded, so it uses torch's threads (``torch.set_num_threads``).
+Every kernel is built in two variants from the same sources (``simd.h``): ``avx512``
+(``-mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx2 -mfma -mf16c``) and ``avx2``
+(``-mavx2 -mfma -mf16c``, no ``-march=native``, so it also runs on AVX-512 CPUs). The variant is
+chosen when loading: the best one the CPU's flags allow, or ``RDSERVE_CPU_ISA=avx2`` / ``avx512``
+(tests force ``avx2`` to run that path on any machine). Both variants return bit-identical results
+(``panel_gemm.h``).
 
-The kernel needs AVX-512: elsewhere the build fails with that message and torch's GEMM is used
-(it would be faster than a portable build). Set ``RDSERVE_CPU_KERNELS=0`` to use torch's GEMM anyway.
+A shared library is built with the system C compiler (``$CC``, default ``cc``) into
+``$RDSERVE_CACHE/kernels/`` (default ``~/.cache/rdserve``), named by the variant and a hash of the
+sources, flags, compiler and the CPU's instruction-set flags, and reused by every later process on
+this machine (Serve replicas, MPI ranks, tests). A new build is loaded once in a child process
+before it is published (so a broken library never reaches a server), and a SHA-256 written next to
+it is checked before every load (a damaged file is rebuilt). It links the OpenMP runtime torch
+already loaded, so it uses torch's threads (``torch.set_num_threads``).
+
+Without AVX2+FMA+F16C the build is refused and torch's GEMM is used. Set ``RDSERVE_CPU_KERNELS=0``
+to use torch's GEMM anyway.
 """
 
 from __future__ import annotations
@@ -31,12 +38,47 @@ from workers.models.pull import cache_dir
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("packed_gemm.c")
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+HERE = Path(__file__).parent
+SOURCES = [HERE / "packed_gemm.c", HERE / "q4_1_gemm.c", HERE / "q8_0_gemm.c"]
+HEADERS = [HERE / "simd.h", HERE / "panel_gemm.h"]
+FLAGS = ["-O3", "-mtune=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+ISA_FLAGS = {
+    "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"],
+    "avx2": ["-mavx2", "-mfma", "-mf16c"],
+}
+ISA_CPU_FLAGS = {"avx512": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma", "f16c"},
+                 "avx2": {"avx2", "fma", "f16c"}}
 
 
 class KernelUnavailable(RuntimeError):
-    """The C kernels cannot be used here (disabled, no compiler, no AVX-512, or the build failed)."""
+    """The C kernels cannot be used here (disabled, no compiler, no AVX2, or the build failed)."""
+
+
+def supported_isas() -> list[str]:
+    """The kernel variants this CPU can run, best first (``["avx512", "avx2"]``, ``["avx2"]`` or ``[]``)."""
+    flags = set(_cpu_flags().split())
+    return [isa for isa in ISA_FLAGS if ISA_CPU_FLAGS[isa] <= flags]
+
+
+def active_isa() -> str:
+    """The variant to load: ``$RDSERVE_CPU_ISA`` (``auto``, ``avx512``, ``avx2``), by default the best
+    this CPU runs.
+
+    Raises:
+        KernelUnavailable: an unknown value, a variant this CPU cannot run, or no variant at all.
+    """
+    want = os.environ.get("RDSERVE_CPU_ISA", "auto").strip().lower() or "auto"
+    if want != "auto" and want not in ISA_FLAGS:
+        raise KernelUnavailable(f"RDSERVE_CPU_ISA must be auto, avx512 or avx2, got {want!r}")
+    have = supported_isas()
+    if not have:
+        raise KernelUnavailable("this CPU has neither AVX-512 nor AVX2 with FMA and F16C")
+    if want == "auto":
+        return have[0]
+    if want not in have:
+        raise KernelUnavailable(f"RDSERVE_CPU_ISA={want} but this CPU lacks "
+                                f"{sorted(ISA_CPU_FLAGS[want] - set(_cpu_flags().split()))}")
+    return want
 
 
 def _compiler() -> list[str]:
@@ -58,16 +100,19 @@ def _cpu_flags() -> str:
     return platform.machine() + platform.processor()
 
 
-def library_path() -> Path:
-    """Where the library for this source, flags, compiler and CPU lives (built or not).
+def library_path(isa: str | None = None) -> Path:
+    """Where the library of variant ``isa`` (default :func:`active_isa`) for these sources, flags,
+    compiler and CPU lives (built or not).
 
     Raises:
-        KernelUnavailable: no C compiler.
+        KernelUnavailable: no C compiler, or see :func:`active_isa`.
     """
+    isa = isa or active_isa()
     cc = _compiler()
     version = subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), *FLAGS, *cc, version, _cpu_flags()]).encode()).hexdigest()[:16]
-    return cache_dir() / "kernels" / f"packed_gemm-{key}.so"
+    texts = [f.read_text() for f in SOURCES + HEADERS]
+    key = hashlib.sha256("\0".join([*texts, *FLAGS, *ISA_FLAGS[isa], *cc, version, _cpu_flags()]).encode())
+    return cache_dir() / "kernels" / f"rdkernels-{isa}-{key.hexdigest()[:16]}.so"
 
 
 def _digest(path: Path | str) -> str:
@@ -82,8 +127,9 @@ def _intact(target: Path) -> bool:
         return False
 
 
-def build() -> Path:
-    """Compile the library unless an intact copy is already in the cache; returns its path.
+def build(isa: str | None = None) -> Path:
+    """Compile the library of variant ``isa`` (default :func:`active_isa`) unless an intact copy is
+    already in the cache; returns its path.
 
     The build writes a temporary file, loads it once in a child process, fsyncs it and renames it
     into place, then writes its SHA-256; concurrent builders never expose a half-written file.
@@ -92,18 +138,20 @@ def build() -> Path:
         KernelUnavailable: no compiler, the compiler failed (its message is included), or the
             result does not load.
     """
-    target = library_path()
+    isa = isa or active_isa()
+    target = library_path(isa)
     if _intact(target):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        proc = subprocess.run([*_compiler(), *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=120)
+        cmd = [*_compiler(), *FLAGS, *ISA_FLAGS[isa], *map(str, SOURCES), "-o", tmp]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         if proc.returncode:
-            raise KernelUnavailable(f"compiling {SOURCE.name} failed:\n{proc.stderr.strip()}")
+            raise KernelUnavailable(f"compiling the {isa} kernels failed:\n{proc.stderr.strip()}")
         if os.path.getsize(tmp) == 0:
-            raise KernelUnavailable(f"the compiler wrote an empty library for {SOURCE.name}")
+            raise KernelUnavailable(f"the compiler wrote an empty library for the {isa} kernels")
         check = subprocess.run([sys.executable, "-c", f"import ctypes; ctypes.CDLL({tmp!r}).rd_panel_width()"],
                                capture_output=True, text=True, timeout=60)
         if check.returncode:
@@ -122,43 +170,49 @@ def build() -> Path:
     return target
 
 
-def load() -> ctypes.CDLL:
-    """The loaded kernel library (built on first use; a failure is remembered, not retried).
+def load() -> str:
+    """Build (first use) and load the variant :func:`active_isa` names; returns its name, to pass to
+    :func:`library` (a failure is remembered, not retried).
 
     Raises:
-        KernelUnavailable: disabled with ``RDSERVE_CPU_KERNELS=0``, no AVX-512, or it cannot be built.
+        KernelUnavailable: disabled with ``RDSERVE_CPU_KERNELS=0``, no AVX2, a bad
+            ``RDSERVE_CPU_ISA``, or it cannot be built.
     """
     if os.environ.get("RDSERVE_CPU_KERNELS", "1").lower() in ("0", "off", "false", "no"):
         raise KernelUnavailable("disabled by RDSERVE_CPU_KERNELS")
-    return library()
+    isa = active_isa()
+    library(isa)
+    return isa
 
 
-def library() -> ctypes.CDLL:
-    """:func:`load` without the ``RDSERVE_CPU_KERNELS`` check: the cached handle, for hot paths
-    whose module was built after :func:`load` succeeded.
+def library(isa: str | None = None) -> ctypes.CDLL:
+    """The cached handle of variant ``isa`` (default :func:`active_isa`), for hot paths whose module
+    was built after :func:`load` succeeded; no ``RDSERVE_CPU_KERNELS`` check.
 
     Raises:
         KernelUnavailable: it cannot be built or loaded.
     """
-    lib, error = _load_once()
+    lib, error = _load_once(isa or active_isa())
     if error is not None:
         raise error
     return lib
 
 
 @cache
-def _load_once() -> tuple[ctypes.CDLL | None, KernelUnavailable | None]:
+def _load_once(isa: str) -> tuple[ctypes.CDLL | None, KernelUnavailable | None]:
     import torch  # noqa: F401  (load torch's OpenMP runtime first, so the library shares it)
 
     try:
-        lib = ctypes.CDLL(str(build()))
+        lib = ctypes.CDLL(str(build(isa)))
     except KernelUnavailable as e:
         return None, e
     except (OSError, subprocess.SubprocessError) as e:
         return None, KernelUnavailable(f"cannot build or load the kernel library: {e}")
-    lib.rd_linear_packed.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3
-    lib.rd_linear_packed.restype = None
+    for name in ("rd_linear_packed", "rd_linear_q4_1", "rd_linear_q8_0"):
+        getattr(lib, name).argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3
+        getattr(lib, name).restype = None
     lib.rd_panel_width.restype = ctypes.c_int
+    lib.rd_isa.restype = ctypes.c_char_p
     return lib, None
 
 

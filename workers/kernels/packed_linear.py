@@ -1,4 +1,5 @@
-"""``torch.nn.Linear`` with panel-packed float32 weights for CPU decoding (see ``packed_gemm.c``).
+"""``torch.nn.Linear`` with panel-packed float32 weights for CPU decoding (see ``packed_gemm.c``;
+the GGUF quantized formats are in :mod:`workers.kernels.quant_linear`).
 
 Decoding streams every weight from memory once per step. For the 2-33 rows of a batched step or a
 ReDrafter tree, torch's CPU GEMM costs up to 2x its single-row cost on our machines; the packed
@@ -49,7 +50,7 @@ class PackedLinear(torch.nn.Module):
         self.register_buffer("panels", pack_weight(weight), persistent=False)
         self.bias = None if bias is None else bias.detach().contiguous()
         self._weight = weight if keep_weight else None
-        build.load()  # fail here, not in the first forward
+        self.isa = build.load()  # fail here, not in the first forward; the variant stays with the module
 
     @classmethod
     def from_linear(cls, linear: torch.nn.Linear, keep_weight: bool = False) -> "PackedLinear":
@@ -70,7 +71,7 @@ class PackedLinear(torch.nn.Module):
         x2 = x.reshape(-1, self.in_features).contiguous()
         y = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)
         if x2.shape[0]:
-            build.library().rd_linear_packed(x2.data_ptr(), panels.data_ptr(), 0 if bias is None else bias.data_ptr(),
+            build.library(self.isa).rd_linear_packed(x2.data_ptr(), panels.data_ptr(), 0 if bias is None else bias.data_ptr(),
                                           y.data_ptr(), x2.shape[0], self.in_features, self.out_features)
         return y.view(*lead, self.out_features)
 

@@ -41,6 +41,8 @@ class TPExecutor:
         num_slots: KV-cache slots.
         dtype: weights and KV cache dtype.
         device: ``"cpu"`` (collectives through MPI) or ``"cuda"`` (through NCCL; rank r on GPU r).
+        gpus: with ``"cuda"``, the GPU id of each rank (rank 0's is this process's own, e.g. set by
+            Ray); spawned rank r then sees only ``gpus[r]``. None: rank r uses GPU r of what it sees.
         num_threads: torch threads of each non-leader rank (default ``cpu_count // tp_size``, at
             least 1); the leader's threads are left as they are.
 
@@ -57,11 +59,12 @@ class TPExecutor:
     """
 
     def __init__(self, model_path: str, tp_size: int, num_slots: int, *, dtype: torch.dtype = torch.float32,
-                 device: str = "cpu", num_threads: int | None = None, model: LlamaForCausalLM | None = None):
+                 device: str = "cpu", num_threads: int | None = None, model: LlamaForCausalLM | None = None,
+                 gpus: list[str] | None = None):
         self.config: LlamaConfig = LlamaConfig.from_dir(model_path)
         check_tp_size(self.config, tp_size)
         self.tp_size = tp_size
-        self.comm = start_group(tp_size, "nccl" if torch.device(device).type == "cuda" else "mpi")
+        self.comm = start_group(tp_size, "nccl" if torch.device(device).type == "cuda" else "mpi", gpus)
         self.device = getattr(self.comm, "device", torch.device("cpu"))
         self.dtype = dtype
         self._failure: RankFailure | None = None
@@ -145,12 +148,13 @@ class TPExecutor:
             raise
 
 
-def tp_executor_factory(model_path: str, tp_size: int, num_threads: int | None = None
-                        ) -> Callable[[LlamaForCausalLM, int], TPExecutor]:
+def tp_executor_factory(model_path: str, tp_size: int, num_threads: int | None = None,
+                        gpus: list[str] | None = None) -> Callable[[LlamaForCausalLM, int], TPExecutor]:
     """``executor_factory(model, num_slots)`` for :class:`workers.engine.Engine`: a
-    :class:`TPExecutor` whose leader shards the engine's loaded model (same dtype and device)."""
+    :class:`TPExecutor` whose leader shards the engine's loaded model (same dtype and device);
+    ``gpus`` as in :class:`TPExecutor`."""
     def make(model: LlamaForCausalLM, num_slots: int) -> TPExecutor:
         w = model.lm_head.weight
         return TPExecutor(model_path, tp_size, num_slots, dtype=w.dtype, device=w.device.type,
-                          num_threads=num_threads, model=model)
+                          num_threads=num_threads, model=model, gpus=gpus)
     return make

@@ -16,20 +16,29 @@ Two ways, chosen by how this process was started:
 from __future__ import annotations
 
 import atexit
+import os
 import sys
+from collections.abc import MutableMapping, Sequence
 
 from workers.tp.comm import LEADER, Communicator, group_failed, make_communicator
 from workers.tp.mpi import MPI
 
 
-def start_group(tp_size: int, backend: str) -> Communicator:
+def start_group(tp_size: int, backend: str, gpus: Sequence[str] | None = None) -> Communicator:
     """The leader's communicator of a new group of ``tp_size`` ranks.
 
+    ``gpus``: spawned rank r (r >= 1) sees only GPU ``gpus[r]`` (:func:`pin_rank_gpu`); ``gpus[0]`` is
+    the leader's, already set by whoever started it (Ray). None: rank r uses GPU ``r % count`` of
+    what it sees (also under ``mpiexec``, where ``gpus`` is not used).
+
     Raises:
-        ValueError: running under ``mpiexec`` with a world size other than ``tp_size``.
+        ValueError: running under ``mpiexec`` with a world size other than ``tp_size``; ``gpus`` not
+            ``tp_size`` long.
         RuntimeError: ``MPI_Comm_spawn`` failed, or an earlier group of this process lost a rank
             (:func:`~workers.tp.comm.group_failed`; restart the process).
     """
+    if gpus is not None and len(gpus) != tp_size:
+        raise ValueError(f"gpus {list(gpus)} must name one GPU per rank (tp_size={tp_size})")
     if group_failed():
         raise RuntimeError("a TP rank of an earlier group in this process died; MPI cannot start "
                            "another group here: restart the process")
@@ -49,13 +58,26 @@ def start_group(tp_size: int, backend: str) -> Communicator:
     if tp_size == 1:
         return make_communicator(MPI.COMM_SELF.Dup(), backend)
     try:
-        link = MPI.COMM_SELF.Spawn(sys.executable, ["-m", "workers.tp.rank_main", backend], maxprocs=tp_size - 1)
+        args = ["-m", "workers.tp.rank_main", backend] + ([",".join(map(str, gpus))] if gpus else [])
+        link = MPI.COMM_SELF.Spawn(sys.executable, args, maxprocs=tp_size - 1)
     except MPI.Exception as e:
         raise RuntimeError(
             f"could not start {tp_size - 1} TP ranks with MPI_Comm_spawn ({e}); "
             "run the replica under `mpiexec -n tp_size` instead"
         ) from e
     return make_communicator(link.Merge(high=False), backend, link)
+
+
+def pin_rank_gpu(gpus: Sequence[str], rank: int, environ: MutableMapping[str, str] = os.environ) -> None:
+    """Make ``gpus[rank]`` the only GPU this process sees (``CUDA_VISIBLE_DEVICES``; its device is then
+    ``cuda:0``). Call before CUDA is initialised.
+
+    Raises:
+        IndexError: ``rank`` has no entry in ``gpus``.
+    """
+    if not 0 <= rank < len(gpus):
+        raise IndexError(f"TP rank {rank} has no GPU in {list(gpus)}")
+    environ["CUDA_VISIBLE_DEVICES"] = str(gpus[rank])
 
 
 def _finalize_world() -> None:

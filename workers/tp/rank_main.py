@@ -5,7 +5,8 @@ broadcast (:mod:`workers.tp.wire`), so all ranks run the same collectives in the
 A rank that fails (an exception, or a peer that died) exits with status 1; the leader then raises
 :class:`~workers.tp.comm.RankFailure` at its next wait.
 
-Entry point of spawned ranks: ``python -m workers.tp.rank_main BACKEND``.
+Entry point of spawned ranks: ``python -m workers.tp.rank_main BACKEND [GPU0,GPU1,...]``; with the
+GPU list, rank r sees only GPU r of it (:func:`workers.tp.launch.pin_rank_gpu`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 
 from workers.models.loader import load_model
 from workers.tp.comm import Communicator, RankFailure, make_communicator
+from workers.tp.launch import pin_rank_gpu
 from workers.tp.mpi import MPI
 from workers.tp.wire import OPS, unpack
 from workers.tp.worker import ShardWorker
@@ -50,7 +52,10 @@ def serve(comm: Communicator) -> None:
 def main() -> None:
     parent = MPI.Comm.Get_parent()
     try:
-        serve(make_communicator(parent.Merge(high=True), sys.argv[1], parent))
+        group = parent.Merge(high=True)
+        if len(sys.argv) > 2:  # before make_communicator, which initialises CUDA for "nccl"
+            pin_rank_gpu(sys.argv[2].split(","), group.Get_rank())
+        serve(make_communicator(group, sys.argv[1], parent))
     except RankFailure as e:
         print(f"rdserve TP rank (pid {os.getpid()}): {e}; exiting", file=sys.stderr, flush=True)
         os._exit(1)

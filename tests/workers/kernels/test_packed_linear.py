@@ -1,5 +1,5 @@
 """The packed float32 CPU kernel (workers/kernels): values, row independence, module swapping,
-and how it falls back."""
+and how it falls back. Value tests run on each instruction-set build (``isa`` fixture)."""
 
 from __future__ import annotations
 
@@ -10,14 +10,13 @@ import torch.nn.functional as F
 from workers.kernels import build
 from workers.kernels.packed_linear import PackedLinear, pack_linears, pack_weight, unpack_weight
 
-needs_kernel = pytest.mark.skipif(not build.available(), reason="CPU kernels unavailable here (no C compiler or no AVX-512, or RDSERVE_CPU_KERNELS=0)")
+needs_kernel = pytest.mark.skipif(not build.available(), reason="CPU kernels unavailable here (no C compiler or no AVX2, or RDSERVE_CPU_KERNELS=0)")
 
 
-@needs_kernel
 @pytest.mark.parametrize("n,k,bias", [(64, 32, False), (100, 37, True), (960, 576, False), (96, 70, True),
                                       (7, 1536, True), (130, 1, False)])
 @pytest.mark.parametrize("m", [1, 2, 3, 5, 6, 7, 13, 40])
-def test_matches_torch_linear(n, k, bias, m):
+def test_matches_torch_linear(n, k, bias, m, isa):
     g = torch.Generator().manual_seed(n * 1000 + k + m)
     lin = torch.nn.Linear(k, n, bias=bias)
     with torch.no_grad():
@@ -26,14 +25,15 @@ def test_matches_torch_linear(n, k, bias, m):
             lin.bias.copy_(torch.randn(n, generator=g))
     x = torch.randn(m, k, generator=g)
     want = F.linear(x.double(), lin.weight.double(), None if lin.bias is None else lin.bias.double())
-    got = PackedLinear.from_linear(lin)(x)
+    packed = PackedLinear.from_linear(lin)
+    assert packed.isa == isa
+    got = packed(x)
     assert got.shape == (m, n) and got.dtype == torch.float32
     assert (got.double() - want).abs().max() < 1e-5 * max(1.0, k**0.5)
 
 
-@needs_kernel
 @pytest.mark.parametrize("n", [960, 3072 + 40])  # 30 panels: the one-row path takes 3 at a time
-def test_each_row_is_independent_of_the_others(n):
+def test_each_row_is_independent_of_the_others(n, isa):
     """Bit-identical rows for any batch: what makes greedy speculative decoding reproduce plain
     decoding exactly (a 1-row plain step and a 9-row tree compute the same values)."""
     g = torch.Generator().manual_seed(1)
@@ -43,6 +43,37 @@ def test_each_row_is_independent_of_the_others(n):
     for i in range(17):
         assert torch.equal(lin(x[i : i + 1])[0], together[i])
     assert torch.equal(lin(x[3:12]), together[3:12])
+
+
+@needs_kernel
+def test_both_builds_compute_the_same_bits(monkeypatch):
+    """The AVX2 and AVX-512 builds sum each element in the same order: identical results."""
+    if build.supported_isas() != ["avx512", "avx2"]:
+        pytest.skip("needs a CPU that runs both builds")
+    lin = torch.nn.Linear(1536, 3 * 32 * 7 + 5, bias=True)
+    x = torch.randn(23, 1536)
+    outs = []
+    for isa in ("avx512", "avx2"):
+        monkeypatch.setenv("RDSERVE_CPU_ISA", isa)
+        packed = PackedLinear.from_linear(lin)
+        assert build.library(packed.isa).rd_isa().decode() == isa
+        outs.append((packed(x), packed(x[:1])))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
+def test_isa_override_is_checked(monkeypatch):
+    monkeypatch.setenv("RDSERVE_CPU_ISA", "sse9")
+    with pytest.raises(build.KernelUnavailable, match="RDSERVE_CPU_ISA must be auto, avx512 or avx2"):
+        build.load()
+    monkeypatch.setattr(build, "_cpu_flags", lambda: "flags: fpu sse2 avx2 fma f16c")
+    monkeypatch.setenv("RDSERVE_CPU_ISA", "avx512")
+    with pytest.raises(build.KernelUnavailable, match="lacks.*avx512f"):
+        build.active_isa()
+    monkeypatch.setenv("RDSERVE_CPU_ISA", "auto")
+    assert build.active_isa() == "avx2"
+    monkeypatch.setattr(build, "_cpu_flags", lambda: "flags: fpu sse2 avx")
+    with pytest.raises(build.KernelUnavailable, match="neither AVX-512 nor AVX2"):
+        build.active_isa()
 
 
 @needs_kernel

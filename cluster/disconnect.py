@@ -1,0 +1,37 @@
+"""Client disconnects as plain ASGI disconnects, so a cancelled request ends quietly.
+
+Behind Serve's HTTP proxy, a client that goes away makes the proxy cancel the replica's task; the
+replica's ASGI ``receive()`` then raises ``ray.exceptions.TaskCancelledError`` instead of returning
+``{"type": "http.disconnect"}``. Starlette's streaming response lets that exception escape, and Ray
+logs it as "Future exception was never retrieved ... TaskCancelledError". This middleware turns any
+exception from ``receive()`` into the disconnect message the ASGI spec defines, so the response is
+cancelled the ordinary way (the ingress logs one INFO line with the request's id).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+DISCONNECT = {"type": "http.disconnect"}
+
+
+class QuietDisconnect:
+    """Pure ASGI middleware (no wrapping of what is sent)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def receive_or_disconnect():
+            try:
+                return await receive()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # TaskCancelledError and kin: the request's client is gone
+                return DISCONNECT
+
+        await self.app(scope, receive_or_disconnect, send)

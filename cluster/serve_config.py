@@ -1,0 +1,124 @@
+"""The Serve config of an rdserve config: what ``serve deploy`` and KubeRay's ``serveConfigV2`` read.
+
+One application, ``import_path: cluster.app:app_builder``, carrying the rdserve config inline in
+``args``: Ray imports the builder on the cluster and gets the same application ``rdserve up`` deploys.
+Its ``deployments`` section is written from that application itself (the options the code binds:
+replicas or autoscaling, ``max_ongoing_requests``, resources, placement, request router), converted
+the way Ray's own ``serve build`` does, so the YAML an operator reads cannot drift from the code;
+Serve applies them over the code's options, which are the same.
+
+Paths: inside the config, a path within the project (e.g. the committed drafter) is written relative to
+the project root and resolved by :func:`config_from_args` against the project root where the builder
+runs (this checkout, or the image's copy); other paths stay absolute.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+
+from cluster.config import ConfigError, RdserveConfig, check_startable, format_validation_error, load_config, parse_config
+
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+"""The checkout (or image copy) holding ``cluster/``, ``workers/`` and ``configs/``."""
+
+IMPORT_PATH = "cluster.app:app_builder"
+
+
+class BuilderArgs(BaseModel):
+    """``args`` of :func:`cluster.app.app_builder`: exactly one of ``config`` (the rdserve config as a
+    mapping) and ``config_path`` (a YAML file; relative: against the project root)."""
+
+    model_config = ConfigDict(extra="forbid")
+    config: dict | None = None
+    config_path: str | None = None
+
+    @model_validator(mode="after")
+    def _exactly_one(self):
+        if (self.config is None) == (self.config_path is None):
+            raise ValueError("args: give exactly one of 'config' (the rdserve config inline) and 'config_path'")
+        return self
+
+
+def config_from_args(args: dict) -> RdserveConfig:
+    """The validated config of the builder's ``args`` (see :class:`BuilderArgs`), checked like
+    ``rdserve up`` checks it (paths exist, backend, calibration), except the device: the builder runs
+    on the Ray head, which may have no GPU; an engine replica checks CUDA where it is placed.
+
+    Raises:
+        ConfigError: naming the field (``args.config.engine.tp_size: ...``).
+    """
+    try:
+        parsed = BuilderArgs.model_validate(args or {})
+    except ValidationError as err:
+        raise ConfigError(format_validation_error(err)) from None
+    if parsed.config is not None:
+        try:
+            cfg = parse_config(parsed.config, PROJECT_ROOT)
+        except ConfigError as err:
+            raise ConfigError("args.config: " + str(err).replace("\n", "\nargs.config: ")) from None
+    else:
+        path = Path(parsed.config_path).expanduser()
+        cfg = load_config(path if path.is_absolute() else PROJECT_ROOT / path)
+    check_startable(cfg, cuda_available=True)
+    return cfg
+
+
+def _portable(value, plain):
+    """``plain`` (the JSON dump) with every ``Path`` of ``value`` (the python dump) in project-relative form."""
+    if isinstance(value, Path):
+        return str(value.relative_to(PROJECT_ROOT)) if value.is_relative_to(PROJECT_ROOT) else str(value)
+    if isinstance(value, dict):
+        return {k: _portable(value[k], plain[k]) for k in plain}
+    if isinstance(value, (list, tuple)):
+        return [_portable(v, p) for v, p in zip(value, plain)]
+    return plain
+
+
+def portable_config(cfg: RdserveConfig) -> dict:
+    """``cfg`` as JSON-ready data: the fields the YAML (or code) set, the others left to their defaults,
+    paths within the project relative to its root. ``parse_config(portable_config(cfg), PROJECT_ROOT)``
+    gives ``cfg`` back."""
+    return _portable(cfg.model_dump(mode="python", exclude_unset=True), cfg.model_dump(mode="json", exclude_unset=True))
+
+
+def deployment_options(cfg: RdserveConfig) -> list[dict]:
+    """The options of every deployment of ``build_app(cfg)`` as Serve config entries (name first),
+    from the bound application, converted as ``serve build`` converts them."""
+    from ray.serve._private.build_app import build_app as build_deployments
+    from ray.serve.deployment import deployment_to_schema
+
+    from cluster.app import APP_NAME, build_app
+
+    built = build_deployments(build_app(cfg), name=APP_NAME)
+    return [deployment_to_schema(d).model_dump(mode="json", exclude_unset=True) for d in built.deployments]
+
+
+def serve_config(cfg: RdserveConfig, host: str | None = None, port: int | None = None) -> dict:
+    """The Serve config (``ray.serve.schema.ServeDeploySchema`` form) that runs ``cfg``.
+
+    ``host``/``port``: Serve's HTTP address (default ``serve.host``/``serve.port``; in a pod
+    ``0.0.0.0``). ``runtime_env.env_vars`` is ``cluster.app.SERVE_ENV``, which the Ray processes
+    themselves should also have (``rdserve up`` and the Kubernetes manifests set it for them).
+    """
+    from cluster.app import APP_NAME, SERVE_ENV
+
+    return {
+        "proxy_location": "EveryNode",
+        "http_options": {"host": host or cfg.serve.host, "port": port or cfg.serve.port},
+        "applications": [{
+            "name": APP_NAME,
+            "route_prefix": "/",
+            "import_path": IMPORT_PATH,
+            "runtime_env": {"env_vars": dict(SERVE_ENV)},
+            "args": {"config": portable_config(cfg)},
+            "deployments": deployment_options(cfg),
+        }],
+    }
+
+
+def to_yaml(data: dict) -> str:
+    """Block-style YAML, keys in the order given."""
+    return yaml.safe_dump(data, sort_keys=False, default_flow_style=False, width=100)

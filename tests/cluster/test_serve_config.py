@@ -1,0 +1,65 @@
+"""The Serve config of an rdserve config and the application builder Ray imports from it."""
+
+from pathlib import Path
+
+import pytest
+from ray.serve import Application
+
+from cluster.app import app_builder, build_app
+from cluster.config import ConfigError, load_config, parse_config
+from cluster.serve_config import PROJECT_ROOT, config_from_args, deployment_options, portable_config, serve_config
+
+LOCAL = PROJECT_ROOT / "configs" / "local.yaml"
+
+
+def test_portable_config_round_trips_with_project_relative_paths():
+    cfg = load_config(PROJECT_ROOT / "configs" / "autoscale.yaml")
+    data = portable_config(cfg)
+    assert data["drafter"]["path"] == "workers/drafters/smollm2-135m-instruct"
+    assert parse_config(data, PROJECT_ROOT) == cfg
+
+
+def test_paths_outside_the_project_stay_absolute(tiny_config):
+    data = portable_config(tiny_config)
+    assert Path(data["model"]["path"]).is_absolute() and Path(data["model"]["path"]) == tiny_config.model.path
+    assert config_from_args({"config": data}) == tiny_config
+
+
+def test_builder_args_inline_or_path():
+    cfg = load_config(LOCAL)
+    assert config_from_args({"config_path": "configs/local.yaml"}) == cfg
+    assert config_from_args({"config": portable_config(cfg)}) == cfg
+    assert isinstance(app_builder({"config_path": str(LOCAL)}), Application)
+
+
+@pytest.mark.parametrize("args, message", [
+    ({}, "exactly one of 'config'"),
+    ({"config": {}, "config_path": "configs/local.yaml"}, "exactly one of 'config'"),
+    ({"config_file": "x.yaml"}, "config_file"),
+    ({"config": {"engine": {"tp_size": 0}}}, "args.config: engine.tp_size"),
+    ({"config": {"drafter": {"path": "no/such/dir"}}}, "drafter.path: directory not found"),
+    ({"config_path": "configs/none.yaml"}, "cannot read config file"),
+])
+def test_bad_builder_args_name_the_field(args, message):
+    with pytest.raises(ConfigError, match=message):
+        app_builder(args)
+
+
+def test_deployments_section_is_what_the_code_binds():
+    cfg = load_config(PROJECT_ROOT / "configs" / "autoscale.yaml")
+    config = serve_config(cfg)
+    (application,) = config["applications"]
+    assert config["http_options"] == {"host": cfg.serve.host, "port": cfg.serve.port}
+    engine = next(d for d in application["deployments"] if d["name"] == "EngineReplica")
+    scaling = cfg.serve.autoscaling
+    assert engine["max_ongoing_requests"] == cfg.serve.max_ongoing_requests
+    assert engine["autoscaling_config"]["min_replicas"] == scaling.min_replicas
+    assert engine["autoscaling_config"]["policy"]["policy_function"] == "cluster.autoscaling:RdserveAutoscalingPolicy"
+    assert engine["request_router_config"]["request_router_class"] == "cluster.request_router:GoodputRequestRouter"
+    assert engine["graceful_shutdown_timeout_s"] == scaling.graceful_shutdown_timeout_s
+    assert "num_replicas" not in engine
+    assert deployment_options(config_from_args(application["args"])) == application["deployments"]
+    fixed = load_config(LOCAL)
+    (engine,) = [d for d in deployment_options(fixed) if d["name"] == "EngineReplica"]
+    assert engine["num_replicas"] == fixed.serve.replicas and "autoscaling_config" not in engine
+    assert len(build_app(fixed)._bound_deployment.init_args) == 2  # ingress(engine handle, model name)

@@ -1,0 +1,86 @@
+"""``x @ W.T (+ bias)`` with W kept in a GGUF quantized format (Q4_1, Q8_0), dequantized in registers.
+
+Decoding streams every weight once per step; a Q4_1 weight is 5 bits instead of float32's 32.
+The kernels (``q4_1_gemm.c``, ``q8_0_gemm.c``, on the panel template ``panel_gemm.h``) take 1 to
+any number of rows per call (blocks of up to 10 rows in registers: batches, draft trees), sum each
+output exactly as the float32 packed kernel does, and the GGUF weights dequantize exactly to
+float32, so a :class:`QuantLinear` returns bit for bit what :class:`~workers.kernels.packed_linear.
+PackedLinear` returns on the dequantized weights, and every row's result is independent of the
+other rows. Activations stay float32.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from workers.kernels import build
+from workers.kernels.gguf_blocks import FORMATS, dequantize_panels, panels_from_blocks
+
+_ENTRY = {"Q4_1": "rd_linear_q4_1", "Q8_0": "rd_linear_q8_0"}
+
+
+class QuantLinear(torch.nn.Module):
+    """Inference-only linear layer on GGUF blocks: float32 ``[..., K] -> [..., N]`` on CPU.
+
+    Args:
+        fmt: ``"Q4_1"`` or ``"Q8_0"``.
+        blocks: the GGUF tensor's data, uint8 ``[N, K / 32 * bytes per block]`` (rows in output
+            order; see :mod:`workers.kernels.gguf_blocks`).
+        in_features: K (a multiple of 32).
+        bias: float32 ``[N]`` or None.
+        tied_weight: a float32 ``[N, K]`` tensor equal to the dequantized weight (a tied input
+            embedding) for :attr:`weight` to return instead of dequantizing.
+
+    Raises:
+        ValueError: an unsupported format, K not a multiple of 32, or shapes that do not match.
+        KernelUnavailable: see :mod:`workers.kernels.build`.
+    """
+
+    def __init__(self, fmt: str, blocks: np.ndarray, in_features: int, bias: torch.Tensor | None = None,
+                 tied_weight: torch.Tensor | None = None):
+        super().__init__()
+        if fmt not in FORMATS:
+            raise ValueError(f"unsupported weight format {fmt!r}; supported: {', '.join(FORMATS)}")
+        if in_features % 32:
+            raise ValueError(f"{fmt} needs in_features divisible by 32, got {in_features}")
+        self.fmt, self.in_features, self.out_features = fmt, in_features, blocks.shape[0]
+        self.register_buffer("panels", panels_from_blocks(fmt, np.asarray(blocks)), persistent=False)
+        if self.panels.shape[1] != in_features // 32:
+            raise ValueError(f"{fmt} blocks hold {self.panels.shape[1] * 32} columns, expected {in_features}")
+        if bias is not None and tuple(bias.shape) != (self.out_features,):
+            raise ValueError(f"bias shape {tuple(bias.shape)} does not match {self.out_features} outputs")
+        self.bias = None if bias is None else bias.detach().to(torch.float32).contiguous()
+        self._weight = tied_weight
+        self.isa = build.load()  # fail here, not in the first forward
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dequantized float32 weight ``[N, K]`` (a new tensor unless tied)."""
+        if self._weight is not None:
+            return self._weight
+        return dequantize_panels(self.fmt, self.panels, self.out_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32 or x.device.type != "cpu":
+            raise ValueError(f"QuantLinear takes float32 CPU input, got {x.dtype} on {x.device}")
+        if self.panels.dtype != torch.uint8 or self.panels.device.type != "cpu":
+            raise RuntimeError("QuantLinear blocks were moved or cast (.to/.half/...); they are CPU-only")
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features).contiguous()
+        y = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)
+        if x2.shape[0]:
+            fn = getattr(build.library(self.isa), _ENTRY[self.fmt])
+            fn(x2.data_ptr(), self.panels.data_ptr(), 0 if self.bias is None else self.bias.data_ptr(),
+               y.data_ptr(), x2.shape[0], self.in_features, self.out_features)
+        return y.view(*lead, self.out_features)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        """``state_dict()`` holds the dequantized ``weight`` (and ``bias``), as an ``nn.Linear``'s."""
+        destination[prefix + "weight"] = self.weight.detach()
+        if self.bias is not None:
+            destination[prefix + "bias"] = self.bias
+
+    def extra_repr(self) -> str:
+        return (f"fmt={self.fmt}, in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}")
