@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 
-.PHONY: install up test bench k8s
+.PHONY: install up test bench prometheus k8s
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -25,9 +25,17 @@ install: $(STAMP)
 up: install
 	$(BIN)/rdserve up --config configs/local.yaml
 
-test: install
+# The metrics tests (tests/cluster/observability) run Debian's prometheus and promtool: installed here
+# when missing, and required by the tests (they fail rather than skip without them).
+prometheus:
+	@command -v prometheus >/dev/null && command -v promtool >/dev/null || { \
+	  echo "installing Debian's prometheus package (the metrics tests run prometheus and promtool)"; \
+	  SUDO=$$([ "$$(id -u)" -eq 0 ] || echo sudo); \
+	  $$SUDO apt-get update -qq && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus; }
+
+test: install prometheus
 	$(BIN)/rdserve model pull
-	$(BIN)/python -m pytest -q
+	RDSERVE_REQUIRE_PROMETHEUS=1 $(BIN)/python -m pytest -q
 
 bench: install
 	$(BIN)/python benchmarks/spec_vs_plain.py --config configs/local.yaml

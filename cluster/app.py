@@ -100,6 +100,13 @@ def pool_configs(cfg: RdserveConfig) -> dict[str, RdserveConfig]:
     return out
 
 
+HEALTH_CHECK_PERIOD_S = 2.0
+"""How often Serve calls each engine replica's ``check_health`` (an attribute read; Serve's default is
+10 s). Serve replaces a replica after 3 failed checks in a row, so one whose TP rank died is replaced
+after about 6 s instead of 30 s (measured with the tiny model: a new request succeeded 47 s after the
+kill with the default, ``tests/cluster/test_faults_ray.py``)."""
+
+
 def _engine_deployment(cfg: RdserveConfig, name: str = "EngineReplica"):
     return EngineReplica.options(
         name=name,
@@ -110,6 +117,7 @@ def _engine_deployment(cfg: RdserveConfig, name: str = "EngineReplica"):
         ray_actor_options=engine_actor_options(cfg),
         max_ongoing_requests=cfg.serve.max_ongoing_requests,
         max_queued_requests=cfg.serve.max_queued_requests or -1,
+        health_check_period_s=HEALTH_CHECK_PERIOD_S,
     ).bind(cfg)
 
 

@@ -76,7 +76,10 @@ def pod_config(cfg: RdserveConfig) -> RdserveConfig:
             ``{env: VAR}`` or ``{file: PATH}`` backed by a Secret); a fractional
             ``serve.num_cpus_per_replica`` or one above ``kubernetes.worker_cpus`` (a pod holds exactly
             one replica); a model/drafter directory neither in the project nor under
-            ``kubernetes.models_mount``.
+            ``kubernetes.models_mount``, or under it without ``kubernetes.models_claim`` (nothing is
+            mounted there); ``serve.api_keys.file`` on the read-only models volume; ``engine.device``
+            naming a GPU index (``cuda:1``: a pod's engine replica sees only the GPUs Ray gave it, from
+            ``cuda:0``).
     """
     k8s = cfg.kubernetes
     keys = cfg.serve.api_keys
@@ -96,6 +99,18 @@ def pod_config(cfg: RdserveConfig) -> RdserveConfig:
                 not PurePosixPath(path.as_posix()).is_relative_to(k8s.models_mount):
             raise ConfigError(f"{field}: {path} is neither in the project (copied into the image) nor under "
                               f"kubernetes.models_mount ({k8s.models_mount}, the models volume)")
+        if path is not None and not path.is_relative_to(PROJECT_ROOT) and not k8s.models_claim:
+            raise ConfigError(f"{field}: {path} is under kubernetes.models_mount ({k8s.models_mount}), but "
+                              "kubernetes.models_claim is null: no volume is mounted there; name the "
+                              "PersistentVolumeClaim holding it")
+    keys_file = keys.file if isinstance(keys, ApiKeySource) else None
+    if keys_file is not None and k8s.models_claim and \
+            PurePosixPath(pod_path(keys_file)).is_relative_to(k8s.models_mount):
+        raise ConfigError(f"serve.api_keys.file: {keys_file} is on the read-only models volume "
+                          f"({k8s.models_mount}); the Secret is mounted at that path: choose one outside it")
+    if cfg.engine.device.startswith("cuda:"):
+        raise ConfigError(f"engine.device: {cfg.engine.device} names a GPU; in a pod each engine replica sees only "
+                          "the GPUs Ray reserved for it (from cuda:0): use 'cuda'")
     engine = cfg.engine
     if engine.num_threads is None:
         engine = engine.model_copy(update={"num_threads": max(1, k8s.worker_cpus // engine.tp_size)})
@@ -138,8 +153,8 @@ def volumes(cfg: RdserveConfig, secret_name: str) -> tuple[list[dict], list[dict
         mounts.append({"name": "models", "mountPath": k8s.models_mount, "readOnly": True})
     keys = cfg.serve.api_keys
     if isinstance(keys, ApiKeySource) and keys.file is not None:
-        where = PurePosixPath(pod_path(keys.file))
+        # only the file (subPath): a directory mount would hide what else is there (/tmp, /etc, the project)
         vols.append({"name": "api-keys", "secret": {"secretName": secret_name,
-                                                    "items": [{"key": API_KEYS_SECRET_KEY, "path": where.name}]}})
-        mounts.append({"name": "api-keys", "mountPath": str(where.parent), "readOnly": True})
+                                                    "items": [{"key": API_KEYS_SECRET_KEY, "path": "keys"}]}})
+        mounts.append({"name": "api-keys", "mountPath": pod_path(keys.file), "subPath": "keys", "readOnly": True})
     return vols, mounts

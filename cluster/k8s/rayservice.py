@@ -70,8 +70,9 @@ def rayservice(cfg: RdserveConfig, image: str, namespace: str) -> dict:
         params = {"num-cpus": ray_cpus(cfg), "metrics-export-port": str(metrics_port(cfg))}
         if gpus:
             params["num-gpus"] = str(gpus)
-        container = _container("worker", image, k8s.worker_cpus, k8s.worker_memory, gpus, [dict(metrics)], env,
-                               mounts)
+        # KubeRay's readiness probe of a RayService worker asks the Serve proxy at the port named "serve"
+        ports = [{"containerPort": cfg.serve.port, "name": "serve"}, dict(metrics)]
+        container = _container("worker", image, k8s.worker_cpus, k8s.worker_memory, gpus, ports, env, mounts)
         groups.append({"groupName": pool.group, "replicas": pool.min_replicas, "minReplicas": pool.min_replicas,
                        "maxReplicas": pool.max_replicas, "rayStartParams": params,
                        "template": _pod_template(name, container, vols, gpus)})

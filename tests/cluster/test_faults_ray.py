@@ -132,8 +132,12 @@ def test_dead_tp_rank_under_load_fails_streams_fast_and_serve_replaces_the_repli
     assert max(ends) < 15, ends  # promptly (a few seconds on an idle machine)
     health = poll(lambda: (h := httpx.get(f"{url}/health", timeout=30)).status_code == 503 and h.json(), 30)
     assert "TP rank 1" in health["error"] or health["status"] == "unavailable", health
+    health_s = time.monotonic() - killed_at
     replica = poll(lambda: new_request_ok(url), 90)
-    assert replica != old_replica and time.monotonic() - killed_at < 90
+    recovered_s = time.monotonic() - killed_at
+    assert replica != old_replica and recovered_s < 90
+    print(f"TP2 rank kill: {len(failed)}/8 streams ended with an error, last {max(ends):.1f} s after the kill; "
+          f"/health 503 seen by {health_s:.1f} s; a new request succeeded {recovered_s:.1f} s after the kill")
 
 
 def test_killed_replica_actor_fails_only_its_streams_and_the_service_recovers(app, tiny_config):
@@ -157,8 +161,13 @@ def test_killed_replica_actor_fails_only_its_streams_and_the_service_recovers(ap
             assert s.error is not None and s.ended_at - killed_at < 30, s.events[-3:]
         else:
             assert s.error is None and s.completion_tokens == PROMPT["max_tokens"], s.events[-3:]  # intact
+    victims = [s.ended_at - killed_at for s in streams if s.replica == victim]
     poll(lambda: new_request_ok(url), 90)
+    served_s = time.monotonic() - killed_at
     poll(lambda: len(replica_pids("pair")) == 2, 120)
+    print(f"actor kill: {len(victims)} streams on the killed replica ended with an error within "
+          f"{max(victims):.1f} s, {16 - len(victims)} on the other completed intact; a new request succeeded "
+          f"{served_s:.1f} s after the kill, 2 replicas running again {time.monotonic() - killed_at:.1f} s after it")
 
 
 def test_drain_out_of_time_aborts_streams_with_an_error_event_and_frees_kv(app, tiny_config):

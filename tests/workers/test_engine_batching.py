@@ -90,9 +90,11 @@ def run_mixed(engine: Engine, reqs: list[dict], rng: random.Random, abort_rate: 
     return {rid: outputs[rid] for rid in finished}, aborted
 
 
-@pytest.mark.parametrize("variant", ["tied_gqa2", "untied_mqa"])
+@pytest.mark.parametrize("variant", ["tied_gqa2", "untied_mqa", "tied_gqa2@gguf"])
 def test_greedy_output_does_not_depend_on_the_batch(tiny_model_dirs, trained_drafter_dirs, variant):
+    """Also on GGUF Q4_1/Q8_0 blocks (``@gguf``)."""
     engine = make_engine(tiny_model_dirs, trained_drafter_dirs, variant)
+    assert (engine.weights is not None) == variant.endswith("@gguf")
     rng = random.Random(variant)
     reqs = random_requests(rng, 24, len(engine.tokenizer))
     want = {r["id"]: alone(engine, r) for r in reqs}
@@ -127,9 +129,10 @@ def test_preemption_and_aborts_keep_outputs_and_free_every_block(tiny_model_dirs
     assert all(blocks.owner(b) is None for b in range(blocks.num_blocks))
 
 
-def test_sampled_output_does_not_depend_on_the_batch(tiny_model_dirs, trained_drafter_dirs):
+@pytest.mark.parametrize("variant", ["tied_sharp", "tied_sharp@gguf"])
+def test_sampled_output_does_not_depend_on_the_batch(tiny_model_dirs, trained_drafter_dirs, variant):
     """Seeded sampling draws from a per-request generator, so batching does not change it either."""
-    engine = make_engine(tiny_model_dirs, trained_drafter_dirs, "tied_sharp")
+    engine = make_engine(tiny_model_dirs, trained_drafter_dirs, variant)
     rng = random.Random(11)
     reqs = random_requests(rng, 12, len(engine.tokenizer))
 

@@ -14,6 +14,7 @@ from collections import Counter
 import pytest
 from scipy.stats import chi2_contingency
 
+from tiny_gguf import weights_variant
 from workers.engine import Engine
 from workers.sampling import SamplingParams
 
@@ -22,9 +23,24 @@ MAX_TOKENS = 4
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_model_dirs, trained_drafter_dirs):
-    return Engine(str(tiny_model_dirs["tied_sharp"]), str(trained_drafter_dirs["tied_sharp"]),
-                  num_beams=4, draft_len_per_beam=3, max_seq_len=128)
+def engines(tiny_model_dirs, trained_drafter_dirs):
+    """``engines(weights)``: the sharp tiny model on float32 weights or on its GGUF Q4_1/Q8_0 blocks."""
+    made = {}
+
+    def get(weights: str = "float32") -> Engine:
+        if weights not in made:
+            name = weights_variant("tied_sharp", weights)
+            made[weights] = Engine(str(tiny_model_dirs[name]), str(trained_drafter_dirs[name]),
+                                   num_beams=4, draft_len_per_beam=3, max_seq_len=128)
+            assert (made[weights].weights is not None) == (weights == "gguf")
+        return made[weights]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def engine(engines):
+    return engines("float32")
 
 
 def outputs(engine: Engine, prompt: list[int], params: SamplingParams, mode: str, master_seed: int):
@@ -53,14 +69,16 @@ def chi2_pvalue(a: Counter, b: Counter, min_count: int = 10) -> float:
 
 
 @pytest.mark.parametrize(
-    "params, prompt_seed",
+    "params, prompt_seed, weights",
     [
-        (SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, ignore_eos=True), 3),
-        (SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, top_k=20, top_p=0.9, ignore_eos=True), 5),
+        (SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, ignore_eos=True), 3, "float32"),
+        (SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, top_k=20, top_p=0.9, ignore_eos=True), 5, "float32"),
+        (SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, ignore_eos=True), 3, "gguf"),
     ],
-    ids=["temperature", "top_k_top_p"],
+    ids=["temperature", "top_k_top_p", "temperature_gguf"],
 )
-def test_spec_sampling_matches_plain_distribution(engine, params, prompt_seed):
+def test_spec_sampling_matches_plain_distribution(engines, params, prompt_seed, weights):
+    engine = engines(weights)
     rng = random.Random(prompt_seed)
     prompt = [rng.randrange(3, len(engine.tokenizer)) for _ in range(12)]
     spec, spec_accepting = outputs(engine, prompt, params, "spec", master_seed=1)
@@ -85,8 +103,10 @@ def test_spec_sampling_detects_a_biased_sampler(engine):
     assert chi2_pvalue(Counter(o[1] for o in a), Counter(o[1] for o in b)) < 1e-3
 
 
+@pytest.mark.parametrize("weights", ["float32", "gguf"])
 @pytest.mark.parametrize("mode", ["spec", "plain"])
-def test_seeded_sampling_is_deterministic(engine, mode):
+def test_seeded_sampling_is_deterministic(engines, mode, weights):
+    engine = engines(weights)
     rng = random.Random(9)
     prompt = [rng.randrange(3, len(engine.tokenizer)) for _ in range(12)]
     runs = {}

@@ -124,6 +124,14 @@ def test_gpu_tp8_reserves_eight_gpus_per_replica_and_pod(rendered):
     assert {"containerPort": cfg.observability.metrics_port, "name": "metrics"} in container["ports"]
 
 
+def test_worker_pods_name_the_serve_port(tmp_path):
+    """KubeRay's readiness probe of a RayService worker asks the Serve proxy at the container port named
+    "serve" (8000 when none is): with another serve.port the workers would never become ready."""
+    service = manifests(_config(tmp_path, "serve: {port: 9000}\n"))["rayservice.yaml"]
+    for group in service["spec"]["rayClusterConfig"]["workerGroupSpecs"]:
+        assert {"containerPort": 9000, "name": "serve"} in group["template"]["spec"]["containers"][0]["ports"]
+
+
 def test_fixed_replicas_and_two_pools(tmp_path):
     fixed = manifests(_config(tmp_path, "serve: {replicas: 3}\n"))["rayservice.yaml"]["spec"]["rayClusterConfig"]
     assert [(g["groupName"], g["minReplicas"], g["maxReplicas"]) for g in fixed["workerGroupSpecs"]] == \
@@ -150,8 +158,16 @@ def test_api_keys_come_from_a_secret(tmp_path, rayservice_schema):
     assert errors(rayservice_schema, by_file) == []
     pod = by_file["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["template"]["spec"]
     assert {"name": "api-keys", "secret": {"secretName": "rdserve-api-keys",
-                                           "items": [{"key": "keys", "path": "keys.txt"}]}} in pod["volumes"]
-    assert {"name": "api-keys", "mountPath": "/etc/rdserve", "readOnly": True} in pod["containers"][0]["volumeMounts"]
+                                           "items": [{"key": "keys", "path": "keys"}]}} in pod["volumes"]
+    assert {"name": "api-keys", "mountPath": "/etc/rdserve/keys.txt", "subPath": "keys", "readOnly": True} in \
+        pod["containers"][0]["volumeMounts"]
+    # only the file is mounted: a key file in /tmp or in the project must not hide the rest of that directory
+    for where, mount_path in (("/tmp/keys.txt", "/tmp/keys.txt"), (f"{PROJECT_ROOT}/keys.txt", "/opt/rdserve/keys.txt")):
+        service = manifests(_config(tmp_path, f"serve: {{api_keys: {{file: {where}}}}}\n"))["rayservice.yaml"]
+        mounts = service["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0]["volumeMounts"]
+        assert [m["mountPath"] for m in mounts if m["name"] == "api-keys"] == [mount_path]
+    with pytest.raises(ConfigError, match="serve.api_keys.file"):
+        manifests(_config(tmp_path, "serve: {api_keys: {file: /models/keys.txt}}\nkubernetes: {models_claim: m}\n"))
     with pytest.raises(ConfigError, match="serve.api_keys"):
         manifests(_config(tmp_path, "serve: {api_keys: [abcdefgh12345]}\n"))
 
@@ -163,5 +179,9 @@ def test_pod_config_rejects_what_a_pod_cannot_run(tmp_path):
         manifests(_config(tmp_path, "serve: {num_cpus_per_replica: 0.5}\n"))
     with pytest.raises(ConfigError, match="kubernetes.worker_cpus"):
         manifests(_config(tmp_path, "serve: {num_cpus_per_replica: 8}\nkubernetes: {worker_cpus: 4}\n"))
+    with pytest.raises(ConfigError, match="model.path: .* kubernetes.models_claim is null"):
+        manifests(_config(tmp_path, "model: {path: /models/llama}\n"))
+    with pytest.raises(ConfigError, match="engine.device: cuda:1"):
+        manifests(_config(tmp_path, "engine: {device: 'cuda:1'}\n"))
     cfg = pod_config(_config(tmp_path, "engine: {tp_size: 2}\nkubernetes: {worker_cpus: 6}\n"))
     assert cfg.engine.num_threads == 3 and cfg.serve.host == "0.0.0.0"
