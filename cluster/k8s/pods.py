@@ -19,6 +19,8 @@ CACHE_DIR = "/var/cache/rdserve"
 """``RDSERVE_CACHE`` in the image: the default model, pulled at image build time, and the GEMM kernel."""
 
 GCS_PORT, DASHBOARD_PORT, CLIENT_PORT = 6379, 8265, 10001
+DASHBOARD_AGENT_PORT = 52365
+"""Ray's dashboard agent (KubeRay's liveness and readiness probes, Serve's REST API) on every Ray pod."""
 API_KEYS_SECRET_KEY = "keys"
 
 
@@ -75,9 +77,10 @@ def pod_config(cfg: RdserveConfig) -> RdserveConfig:
         ConfigError: API keys written in the config (they would be copied into the RayService: use
             ``{env: VAR}`` or ``{file: PATH}`` backed by a Secret); a fractional
             ``serve.num_cpus_per_replica`` or one above ``kubernetes.worker_cpus`` (a pod holds exactly
-            one replica); a model/drafter directory neither in the project nor under
+            one replica); a model/drafter directory (or calibration file) neither in the project nor under
             ``kubernetes.models_mount``, or under it without ``kubernetes.models_claim`` (nothing is
-            mounted there); ``serve.api_keys.file`` on the read-only models volume; ``engine.device``
+            mounted there); ``serve.api_keys.file`` on the read-only models volume; ``serve.port`` or
+            ``observability.metrics_port`` on a port the pods already use; ``engine.device``
             naming a GPU index (``cuda:1``: a pod's engine replica sees only the GPUs Ray gave it, from
             ``cuda:0``).
     """
@@ -94,7 +97,8 @@ def pod_config(cfg: RdserveConfig) -> RdserveConfig:
     if cpus > k8s.worker_cpus:
         raise ConfigError(f"kubernetes.worker_cpus: {k8s.worker_cpus} is fewer than serve.num_cpus_per_replica "
                           f"({cpus:g}); an engine replica would not fit its pod")
-    for field, path in (("model.path", cfg.model.path), ("drafter.path", cfg.drafter.path)):
+    for field, path in (("model.path", cfg.model.path), ("drafter.path", cfg.drafter.path),
+                        ("engine.spec_calibration", cfg.engine.spec_calibration)):
         if path is not None and not path.is_relative_to(PROJECT_ROOT) and \
                 not PurePosixPath(path.as_posix()).is_relative_to(k8s.models_mount):
             raise ConfigError(f"{field}: {path} is neither in the project (copied into the image) nor under "
@@ -108,6 +112,12 @@ def pod_config(cfg: RdserveConfig) -> RdserveConfig:
             PurePosixPath(pod_path(keys_file)).is_relative_to(k8s.models_mount):
         raise ConfigError(f"serve.api_keys.file: {keys_file} is on the read-only models volume "
                           f"({k8s.models_mount}); the Secret is mounted at that path: choose one outside it")
+    taken = {GCS_PORT: "Ray's GCS port", DASHBOARD_PORT: "Ray's dashboard port", CLIENT_PORT: "Ray Client's port",
+             DASHBOARD_AGENT_PORT: "Ray's dashboard agent port"}
+    for field, port in (("serve.port", cfg.serve.port), ("observability.metrics_port", metrics_port(cfg))):
+        if port in taken:
+            raise ConfigError(f"{field}: port {port} is already {taken[port]} in the Ray pods")
+        taken[port] = field
     if cfg.engine.device.startswith("cuda:"):
         raise ConfigError(f"engine.device: {cfg.engine.device} names a GPU; in a pod each engine replica sees only "
                           "the GPUs Ray reserved for it (from cuda:0): use 'cuda'")

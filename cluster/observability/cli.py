@@ -43,7 +43,7 @@ def push(
 ) -> None:
     """Create or update the dashboard in Grafana through its HTTP API (grafana-client)."""
     from cluster.observability.dashboard import build_dashboard
-    from cluster.observability.grafana import PushError, push_dashboard
+    from cluster.observability.grafana import PushError, push_dashboard, shown_url
 
     token = os.environ.get(token_env)
     if not token:
@@ -56,7 +56,7 @@ def push(
         err_console.print(f"[red]push failed[/red]: {err}", highlight=False, soft_wrap=True)
         raise typer.Exit(1) from None
     console.print(f"dashboard {answer.get('uid')} version {answer.get('version')} saved: "
-                  f"{grafana_url.rstrip('/')}{answer.get('url', '')}", highlight=False, soft_wrap=True)
+                  f"{shown_url(grafana_url).rstrip('/')}{answer.get('url', '')}", highlight=False, soft_wrap=True)
 
 
 @observability_app.command("prometheus-config")

@@ -11,6 +11,8 @@ save made in Grafana between that read and our write is a 412 conflict, reported
 
 from __future__ import annotations
 
+from urllib.parse import urlsplit
+
 from grafana_client import GrafanaApi
 from grafana_client.client import GrafanaClientError, GrafanaException, GrafanaUnauthorizedError
 
@@ -22,6 +24,12 @@ class PushError(RuntimeError):
     """Grafana refused or could not be reached; the message says what to do."""
 
 
+def shown_url(url: str) -> str:
+    """``url`` without any ``user:password@`` part, for messages."""
+    parts = urlsplit(url)
+    return parts._replace(netloc=parts.netloc.rpartition("@")[2]).geturl() if "@" in parts.netloc else url
+
+
 def push_dashboard(url: str, token: str, dashboard: dict, folder_title: str = "rdserve",
                    folder_uid: str = FOLDER_UID, overwrite: bool = False) -> dict:
     """Create or update ``dashboard`` (Grafana JSON with ``uid``) in folder ``folder_uid`` (created
@@ -31,9 +39,18 @@ def push_dashboard(url: str, token: str, dashboard: dict, folder_title: str = "r
         Grafana's answer (``uid``, ``url``, ``version``, ``status``).
 
     Raises:
-        PushError: 401 (token), 403, 412 (conflict), other HTTP errors or an unreachable server.
+        PushError: 401 (token), 403, 412 (conflict), other HTTP errors, a URL that is not
+            ``http(s)://HOST[:PORT][/PATH]``, or an unreachable server.
     """
+    shown, parts = shown_url(url), urlsplit(url)
+    try:
+        valid = parts.scheme in ("http", "https") and bool(parts.hostname) and (parts.port or 1) > 0
+    except ValueError:  # a port that is not a number in 0-65535
+        valid = False
+    if not valid:
+        raise PushError(f"--grafana-url {shown!r} is not an http(s)://HOST[:PORT] URL")
     api = GrafanaApi.from_url(url, credential=token, timeout=TIMEOUT_S)
+    url = shown  # messages below never show credentials written into the URL
     try:
         try:
             api.folder.get_folder(folder_uid)
@@ -67,3 +84,5 @@ def push_dashboard(url: str, token: str, dashboard: dict, folder_title: str = "r
         raise PushError(f"Grafana at {url} answered {err.status_code}: {detail}") from None
     except GrafanaException as err:
         raise PushError(f"Grafana at {url}: {err.message}") from None
+    except OSError as err:  # the transport's errors (connection refused, DNS, timeout) are OSErrors
+        raise PushError(f"Grafana at {url} could not be reached: {type(err).__name__}: {err}") from None

@@ -34,7 +34,7 @@ def test_concurrent_requests_get_their_solo_outputs(base_url, http):
         assert t["rdserve"]["mode"] == s["rdserve"]["mode"]
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def tight_app(base_url, tiny_config):
     """The tiny model behind a replica that admits 1 request and queues 1 more."""
     cfg = tiny_config.model_copy(update={"serve": tiny_config.serve.model_copy(

@@ -181,6 +181,12 @@ def test_pod_config_rejects_what_a_pod_cannot_run(tmp_path):
         manifests(_config(tmp_path, "serve: {num_cpus_per_replica: 8}\nkubernetes: {worker_cpus: 4}\n"))
     with pytest.raises(ConfigError, match="model.path: .* kubernetes.models_claim is null"):
         manifests(_config(tmp_path, "model: {path: /models/llama}\n"))
+    with pytest.raises(ConfigError, match="engine.spec_calibration: /home/me/cal.json is neither"):
+        manifests(_config(tmp_path, "engine: {spec_schedule: auto, spec_calibration: /home/me/cal.json}\n"))
+    with pytest.raises(ConfigError, match="observability.metrics_port: port 8080 is already serve.port"):
+        manifests(_config(tmp_path, "serve: {port: 8080}\nobservability: {metrics_port: 8080}\n"))
+    with pytest.raises(ConfigError, match="serve.port: port 8265 is already Ray's dashboard port"):
+        manifests(_config(tmp_path, "serve: {port: 8265}\n"))
     with pytest.raises(ConfigError, match="engine.device: cuda:1"):
         manifests(_config(tmp_path, "engine: {device: 'cuda:1'}\n"))
     cfg = pod_config(_config(tmp_path, "engine: {tp_size: 2}\nkubernetes: {worker_cpus: 6}\n"))
