@@ -84,10 +84,22 @@ def _alert(name: str, expr: str, hold: str, severity: str, summary: str, descrip
             "annotations": {"summary": summary, "description": description}}
 
 
+def prom_duration(seconds: float) -> str:
+    """A Prometheus duration: ``15`` -> ``"15s"``, ``0.25`` -> ``"250ms"`` (Prometheus rejects ``"0.25s"``).
+
+    Raises:
+        ValueError: under 1 ms.
+    """
+    ms = round(seconds * 1000)
+    if ms < 1:
+        raise ValueError(f"a Prometheus duration must be at least 1 ms, got {seconds} s")
+    return f"{ms // 1000}s" if ms % 1000 == 0 else f"{ms}ms"
+
+
 def scrape_config(targets: list[str], scrape_interval_s: float = 15, rules_file: str = RULES_FILE) -> dict:
     """``prometheus.yml``: one job ``rdserve`` scraping Ray's metrics agents at ``targets``
     (``HOST:PORT``, every node's ``observability.metrics_port``), with the alert rules loaded."""
-    interval = f"{scrape_interval_s:g}s"
+    interval = prom_duration(scrape_interval_s)
     return {"global": {"scrape_interval": interval, "evaluation_interval": interval},
             "rule_files": [rules_file],
             "scrape_configs": [{"job_name": "rdserve", "metrics_path": "/metrics",

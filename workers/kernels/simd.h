@@ -26,11 +26,13 @@ typedef __m512 vf;
 #define vfma(a, b, c) _mm512_fmadd_ps(a, b, c)
 /* VL half-precision values at p (IEEE binary16, as GGUF stores block scales) -> float32. */
 static inline vf v_from_f16(const uint16_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
-/* The low (hi = 0) or high (hi = 1) 4 bits of VL bytes at p, as float32 0..15. */
+/* The low (hi = 0) or high (hi = 1) 4 bits of VL bytes at p, as float32 0..15: a 16-entry table
+ * lookup (vpermps reads only an index's low 4 bits, so the low nibble needs no mask), on port 5,
+ * instead of a conversion on port 0, which the FMAs already keep busy. Exact either way. */
 static inline vf v_from_nibbles(const uint8_t *p, int hi) {
+    const __m512 values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
-    b = hi ? _mm512_srli_epi32(b, 4) : _mm512_and_si512(b, _mm512_set1_epi32(0xF));
-    return _mm512_cvtepi32_ps(b);
+    return _mm512_permutexvar_ps(hi ? _mm512_srli_epi32(b, 4) : b, values);
 }
 /* VL signed bytes at p as float32 -128..127. */
 static inline vf v_from_i8(const int8_t *p) {

@@ -64,3 +64,23 @@ def test_another_dashboard_with_the_title_is_a_412_name_conflict(grafana):
     grafana.dashboards["other"] = {"uid": "other", "title": "rdserve", "version": 3, "_folder": "rdserve", "panels": []}
     result = push(grafana.url)
     assert result.exit_code == 1 and "412 (name-exists)" in result.output
+
+
+def test_an_unreachable_or_malformed_url_is_one_clear_line_without_credentials():
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on once closed
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    result = push(f"http://admin:hunter2@127.0.0.1:{port}")
+    assert result.exit_code == 1
+    assert f"Grafana at http://127.0.0.1:{port} could not be reached" in result.output, result.output
+    assert "Traceback" not in result.output and "hunter2" not in result.output and TOKEN not in result.output
+    for bad in ("grafana:3000", "ftp://grafana", "http://grafana:99999"):
+        result = push(bad)
+        assert result.exit_code == 1 and "is not an http(s)://HOST[:PORT] URL" in result.output, result.output
+
+
+def test_a_rejected_token_never_appears_in_the_output(grafana):
+    result = push(grafana.url, token="glsa_rejected_secret")
+    assert result.exit_code == 1 and "401" in result.output and "glsa_rejected_secret" not in result.output
