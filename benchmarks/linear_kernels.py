@@ -9,6 +9,7 @@ the real shapes. The variants run interleaved, round after round, and the median
 kept, so a noisy neighbour on the VM slows all of them alike.
 
 Usage: python benchmarks/linear_kernels.py [--rows 1,2,3,5,9,17,33,64] [--rounds 9] [--only packed,gguf]
+       [--threads 1 --clock cpu]  (CPU time: kernel ratios on a shared machine)
 (prints a Markdown table, writes benchmarks/results/linear_kernels.json)
 """
 
@@ -73,7 +74,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=9, help="timed rounds (after one warm-up round)")
     ap.add_argument("--out", default="benchmarks/results/linear_kernels.json", help="JSON output path")
     ap.add_argument("--only", default=None, help="time only variants whose name contains one of these, comma-separated")
+    ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                    help="cpu: this thread's CPU time (with --threads 1; excludes time preempted on a shared machine)")
     args = ap.parse_args()
+    if args.clock == "cpu" and args.threads != 1:
+        ap.error("--clock cpu measures the calling thread only: use --threads 1")
+    clock = time.thread_time if args.clock == "cpu" else time.perf_counter
     torch.set_num_threads(args.threads)
     rows = [int(r) for r in args.rows.split(",")]
     variants = {**step_fns(torch.float32), **step_fns(torch.bfloat16)}
@@ -87,21 +93,23 @@ def main() -> None:
             for m in rows:
                 for name, fns in variants.items():
                     x = inputs[(m, torch.bfloat16 if "bfloat16" in name else torch.float32)]
-                    t0 = time.perf_counter()
+                    t0 = clock()
                     for fn, (o, i) in zip(fns, [s for _ in range(LAYERS) for s in SHAPES] + [(VOCAB, HIDDEN)]):
                         fn(x[i])
                     if r:
-                        times.setdefault((name, m), []).append((time.perf_counter() - t0) * 1e3)
+                        times.setdefault((name, m), []).append((clock() - t0) * 1e3)
     names = list(variants)
     results = [{"variant": n, "rows": m, "step_ms": statistics.median(times[(n, m)])} for m in rows for n in names]
-    lines = [f"threads {args.threads}, median of {args.rounds} interleaved rounds, ms per step (30 layers + LM head)", "",
+    lines = [f"threads {args.threads}, median of {args.rounds} interleaved rounds, ms per step (30 layers + LM head), "
+             f"{args.clock} clock", "",
              "| rows | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
     for m in rows:
         lines.append(f"| {m} | " + " | ".join(f"{statistics.median(times[(n, m)]):.1f}" for n in names) + " |")
     print("\n".join(lines))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"threads": args.threads, "rounds": args.rounds, "results": results}, indent=1))
+    out.write_text(json.dumps({"threads": args.threads, "rounds": args.rounds, "clock": args.clock, "results": results},
+                              indent=1))
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import threading
 import time
 from pathlib import Path
@@ -77,17 +78,21 @@ def up(config: Path = ConfigOption) -> None:
     A second signal stops at once.
     """
     cfg = _with_model_dir(_startable_config(config))
-    from cluster.app import SERVE_ENV, deploy
+    from cluster.app import SERVE_ENV, deploy, local_serve_env
+    from cluster.observability.http import port_in_use
 
-    for key, value in SERVE_ENV.items():  # before ray.init: Ray's processes inherit the driver's environment
-        os.environ.setdefault(key, value)
+    if port_in_use(cfg.serve.port):
+        err_console.print(f"[red]config error[/red]: serve.port: port {cfg.serve.port} is in use; choose a free port",
+                          highlight=False)
+        raise typer.Exit(2)
+    for key, value in {**SERVE_ENV, **local_serve_env(cfg.serve.port)}.items():  # before ray.init: Ray's
+        os.environ.setdefault(key, value)  # processes inherit the driver's environment
+    direct_ingress = os.environ["RAY_SERVE_ENABLE_DIRECT_INGRESS"] == "1"  # else Serve's proxy serves the port
     import ray
     from ray import serve
 
     local_only = cfg.serve.host in ("127.0.0.1", "localhost")  # keep Ray's own ports on loopback too
     metrics_port = cfg.observability.metrics_port  # Ray's metrics agent serves Prometheus text there
-    from cluster.observability.http import port_in_use
-
     if port_in_use(metrics_port):
         err_console.print(f"[red]config error[/red]: observability.metrics_port: port {metrics_port} is in use "
                           "(another Ray or rdserve?); choose a free port", highlight=False)
@@ -105,7 +110,8 @@ def up(config: Path = ConfigOption) -> None:
         signal.signal(sig, request_stop)
     try:
         with console.status("starting Ray Serve and loading the engine replicas"):
-            serve.start(http_options={"host": cfg.serve.host, "port": cfg.serve.port})
+            proxy_port = _free_port(cfg.serve.host) if direct_ingress else cfg.serve.port
+            serve.start(http_options={"host": cfg.serve.host, "port": proxy_port})
             deploy(cfg)
             base_url = _wait_until_healthy(cfg)
         _print_ready(cfg, base_url)
@@ -115,6 +121,14 @@ def up(config: Path = ConfigOption) -> None:
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+def _free_port(host: str) -> int:
+    """A free TCP port on ``host``: with direct ingress, Serve's own proxy (which Serve always starts)
+    listens there, and ``serve.port`` belongs to the ingress replica."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 def _drain(cfg: RdserveConfig) -> None:

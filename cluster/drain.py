@@ -48,10 +48,13 @@ class Admission:
         return guard
 
     def done(self, guard: RequestGuard) -> None:
-        """The request is over, however it ended (idempotent); it counts in the drain rate."""
+        """The request is over, however it ended (idempotent). It counts in the drain rate only if it
+        left the queue (got its first stream item): a 503 rejection or a timeout in the queue drains
+        nothing, and counting those would shrink ``Retry-After`` exactly when the queue is full."""
         if guard in self.in_flight:
             self.in_flight.discard(guard)
-            self.completed.record()
+            if guard.started:
+                self.completed.record()
 
     def retry_after(self) -> int:
         """``Retry-After`` seconds for a 503: while draining, the drain's time left (bounded); else from

@@ -43,11 +43,13 @@ def alert_rules(t: AlertThresholds = AlertThresholds()) -> dict:
     hold = f"{t.for_s}s"
     ttft = (f"histogram_quantile(0.9, sum by (le, model_name, deployment) "
             f"(rate({x('time_to_first_token_seconds')}_bucket[5m]))) > {t.ttft_p90_s}")
-    failures_5xx = _rate("request_failure", "5m", sel='status=~"5.."')
-    requests = f"({_rate('request_success', '5m')} + {_rate('request_failure', '5m')})"
+    # A Ray counter has no series until its first increment: "or X * 0" stands in for a count that never
+    # grew (every request failed, no draft token ever accepted), the very cases these alerts are for.
+    failures_5xx, failures = _rate("request_failure", "5m", sel='status=~"5.."'), _rate("request_failure", "5m")
+    requests = f"(({_rate('request_success', '5m')} or {failures} * 0) + {failures})"
     drafts = _rate("spec_decode_num_drafts", "10m", "model_name, deployment")
-    acceptance = (f"(1 + {_rate('spec_decode_num_accepted_tokens', '10m', 'model_name, deployment')} / {drafts}) "
-                  f"< {t.min_acceptance_length} and {drafts} > 0")
+    accepted = _rate("spec_decode_num_accepted_tokens", "10m", "model_name, deployment")
+    acceptance = f"(1 + ({accepted} or {drafts} * 0) / {drafts}) < {t.min_acceptance_length} and {drafts} > 0"
     rules = [
         _alert("RdserveTTFTSLOBreach", ttft, hold, "warning",
                "TTFT p90 of {{ $labels.model_name }} ({{ $labels.deployment }}) is {{ $value | humanizeDuration }}",

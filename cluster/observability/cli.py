@@ -71,7 +71,14 @@ def prometheus_config(
                                       "serve.autoscaling.slo_ttft_ms, else 2000)."),
     alert_for_s: int = typer.Option(300, "--alert-for", min=0, help="Seconds a condition must hold to fire."),
 ) -> None:
-    """Write a Prometheus scrape config for a local cluster and the rdserve alert rules."""
+    """Write a Prometheus scrape config for a local cluster and the rdserve alert rules.
+
+    prometheus.yml scrapes Ray's metrics agent (rdserve's ray_rdserve_* and Ray Serve's ray_serve_*
+    series) and loads rdserve-alerts.yml: TTFT p90 above the SLO, 5xx error rate, speculation
+    acceptance collapse, replicas flapping, KV cache near full. Start Prometheus with the printed
+    command, or copy the rules file into an existing Prometheus's rule_files. On a multi-node
+    cluster pass --target once per node. Nothing is started or contacted.
+    """
     from cluster.observability.alerts import AlertThresholds, write_prometheus_files
 
     try:
@@ -82,6 +89,10 @@ def prometheus_config(
     scaling = cfg.serve.autoscaling
     slo_ms = slo_ttft_ms or (scaling.slo_ttft_ms if scaling and scaling.slo_ttft_ms else 2000.0)
     targets = target or [f"127.0.0.1:{cfg.observability.metrics_port}"]
+    for t in targets:
+        host, _, port = t.rpartition(":")
+        if not host or "/" in t or " " in t or not port.isdigit() or not 0 < int(port) < 65536:
+            raise typer.BadParameter(f"{t!r} is not HOST:PORT (e.g. 10.0.0.1:8080)", param_hint="--target")
     paths = write_prometheus_files(out, targets, AlertThresholds(ttft_p90_s=slo_ms / 1000, for_s=alert_for_s),
                                    scrape_interval_s)
     for path in paths:

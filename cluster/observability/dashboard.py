@@ -48,7 +48,8 @@ def _quantiles(name: str, by: str = "") -> tuple[tuple[str, str], ...]:
                   f"{legend}p{int(q * 100)}") for q in (0.5, 0.9, 0.99))
 
 
-ACCEPTED, DRAFTS = _rate("spec_decode_num_accepted_tokens"), _rate("spec_decode_num_drafts")
+DRAFTS = _rate("spec_decode_num_drafts")
+ACCEPTED = f'({_rate("spec_decode_num_accepted_tokens")} or {DRAFTS} * 0)'  # no series until a first accept
 SPECULATING = _rate("router_decisions", extra='mode="spec"')
 ROWS: tuple[tuple[str, tuple[PanelDef, ...]], ...] = (
     ("Traffic", (

@@ -89,3 +89,21 @@ def test_drain_waits_for_requests_that_finish_in_time():
 
     report = asyncio.run(run())
     assert report["finished"] == 1 and report["aborted"] == 0 and report["drain_s"] < 5
+
+
+def test_rejected_requests_do_not_count_as_completions_in_retry_after():
+    """A burst of 503s (requests that never left the queue) must not raise the drain rate: Retry-After
+    would otherwise shrink to 1 s exactly when the queue is full."""
+    async def run():
+        admission = Admission(request_timeout_s=None)
+        for _ in range(20):  # rejected: their guard never got a stream item
+            admission.done(admission.admit())
+        rejected_only = admission.retry_after()
+        served = admission.admit()
+        await served.next(_slow_stream([0.0]))  # its first item arrived: it left the queue
+        admission.done(served)
+        return rejected_only, admission.completed.per_s()
+
+    rejected_only, rate = asyncio.run(run())
+    assert rejected_only == 10  # nothing completed: the upper bound
+    assert rate == pytest.approx(1.0)  # the one served request, over the 1 s minimum span

@@ -4,7 +4,9 @@
  * k one after another (the layouts are in packed_gemm.c, q4_1_gemm.c and q8_0_gemm.c). A kernel
  * call multiplies one panel into a block of up to ROWS input rows held in registers: per k it
  * turns the panel's 32 weights of that k into float32 vectors (a load for float32; a dequantization
- * in registers for the GGUF formats), then does one FMA per input row and vector.
+ * in registers for the GGUF formats), then does one FMA per input row and vector. With more rows
+ * than fit in registers, a quantized panel's k-block is dequantized once into an L1 tile that all
+ * the rows read (tiled_panel). Shapes: x [M, K] and y [M, N] row-major float32; bias [N] or NULL.
  *
  * Rounding, the same for every format, instruction set, M and row block: each output element is a
  * float32 FMA chain over each k-block (k in increasing order), the block sums are added in order,

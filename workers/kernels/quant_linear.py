@@ -2,7 +2,8 @@
 
 Decoding streams every weight once per step; a Q4_1 weight is 5 bits instead of float32's 32.
 The kernels (``q4_1_gemm.c``, ``q8_0_gemm.c``, on the panel template ``panel_gemm.h``) take 1 to
-any number of rows per call (blocks of up to 10 rows in registers: batches, draft trees), sum each
+any number of rows per call (up to 10 rows (AVX2: 4) held in registers, each dequantizing the
+weights itself; more rows share one dequantized L1 tile per k-block: trees, batches), sum each
 output exactly as the float32 packed kernel does, and the GGUF weights dequantize exactly to
 float32, so a :class:`QuantLinear` returns bit for bit what :class:`~workers.kernels.packed_linear.
 PackedLinear` returns on the dequantized weights, and every row's result is independent of the

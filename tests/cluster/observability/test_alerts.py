@@ -39,3 +39,21 @@ def test_alert_rules_unit_tests_pass(tmp_path, tiny_config_path):
     run = subprocess.run([promtool, "test", "rules", UNIT_TESTS.name], cwd=tmp_path, capture_output=True, text=True)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "SUCCESS" in run.stdout
+
+
+def test_a_sub_second_scrape_interval_is_a_duration_prometheus_accepts(tmp_path, tiny_config_path):
+    promtool = prometheus_binary("promtool")
+    result = CliRunner().invoke(app, ["observability", "prometheus-config", "--out", str(tmp_path), "--config",
+                                      str(tiny_config_path), "--scrape-interval", "0.25"])
+    assert result.exit_code == 0, result.output
+    assert yaml.safe_load((tmp_path / "prometheus.yml").read_text())["global"]["scrape_interval"] == "250ms"
+    check = subprocess.run([promtool, "check", "config", "prometheus.yml"], cwd=tmp_path, capture_output=True, text=True)
+    assert check.returncode == 0, check.stdout + check.stderr
+
+
+def test_a_target_that_is_not_host_port_is_refused_naming_the_option(tmp_path, tiny_config_path):
+    for bad in ("http://10.0.0.1:8080", "10.0.0.1", "10.0.0.1:port"):
+        result = CliRunner().invoke(app, ["observability", "prometheus-config", "--out", str(tmp_path / "p"),
+                                          "--config", str(tiny_config_path), "--target", bad])
+        assert result.exit_code == 2 and "--target" in result.output and "HOST:PORT" in result.output, result.output
+        assert not (tmp_path / "p").exists()
