@@ -393,6 +393,7 @@ async def soak(args) -> dict:
                 proc.wait(120)
             except subprocess.TimeoutExpired:
                 proc.kill()
+        server_logs = server_log_counts(workdir)
         if not args.keep_logs:
             shutil.rmtree(workdir, ignore_errors=True)
     outcomes = {o: sum(r["outcome"] == o for r in records) for o in sorted({r["outcome"] for r in records})}
@@ -402,7 +403,23 @@ async def soak(args) -> dict:
             "lost": outcomes.get("lost", 0), "windows": windows(records, args.window_s),
             "memory": memory_report(samples), "rss_samples": samples,
             "kv_end": {"free_blocks": kv.get("free_blocks"), "blocks": kv.get("blocks"), "load": health.get("load")},
-            "drain": drain}
+            "drain": drain, "server_logs": server_logs}
+
+
+LOG_PATTERNS = {"cancelled_by_client": "cancelled by the client", "drained": "drained: ",
+                "never_retrieved": "Future exception was never retrieved"}
+
+
+def server_log_counts(workdir: Path) -> dict[str, int]:
+    """Lines of the server's Ray session logs (after it exited) matching each of ``LOG_PATTERNS``: the
+    ingress's INFO lines must reach the files (Serve's throughput mode buffers replica logs)."""
+    counts = dict.fromkeys(LOG_PATTERNS, 0)
+    for path in (workdir / "ray").rglob("*"):
+        if path.is_file() and path.suffix in (".log", ".err", ".out"):
+            text = path.read_text(errors="replace")
+            for name, pattern in LOG_PATTERNS.items():
+                counts[name] += text.count(pattern)
+    return counts
 
 
 def main() -> None:

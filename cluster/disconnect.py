@@ -11,6 +11,8 @@ cancelled the ordinary way (the ingress logs one INFO line with the request's id
 from __future__ import annotations
 
 import asyncio
+import logging
+import logging.handlers
 
 DISCONNECT = {"type": "http.disconnect"}
 
@@ -35,3 +37,20 @@ class QuietDisconnect:
                 return DISCONNECT
 
         await self.app(scope, receive_or_disconnect, send)
+
+
+def info_now(logger: logging.Logger, message: str, *args) -> None:
+    """Log ``message % args`` at INFO and flush the buffering handlers on the way to the root.
+
+    Serve's throughput mode (``RAY_SERVE_THROUGHPUT_OPTIMIZED``, set by ``cluster.app.SERVE_ENV``)
+    buffers a replica's log records in a ``logging.handlers.MemoryHandler`` of 1,000 records that
+    flushes only when full or on ERROR, so a rare line (a cancelled, timed-out or drained request)
+    would reach the replica's log file much later, or never if the replica stops first.
+    """
+    logger.info(message, *args)
+    node: logging.Logger | None = logger
+    while node is not None:
+        for handler in node.handlers:
+            if isinstance(handler, logging.handlers.MemoryHandler):
+                handler.flush()
+        node = node.parent if node.propagate else None

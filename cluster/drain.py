@@ -18,6 +18,7 @@ import asyncio
 import logging
 import time
 
+from cluster.disconnect import info_now
 from cluster.limits import CompletionRate, RequestGuard, retry_after_s
 
 log = logging.getLogger("ray.serve")
@@ -73,7 +74,7 @@ class Admission:
         start = time.monotonic()
         self.draining_until = start + timeout_s
         before = len(self.in_flight)
-        log.info("draining: %d requests in flight, up to %.0f s", before, timeout_s)
+        info_now(log, "draining: %d requests in flight, up to %.0f s", before, timeout_s)
         while self.in_flight and time.monotonic() < self.draining_until:
             await asyncio.sleep(poll_s)
         left = list(self.in_flight)
@@ -83,7 +84,7 @@ class Admission:
         while self.in_flight and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         report = {"finished": before - len(left), "aborted": len(left), "drain_s": round(time.monotonic() - start, 2)}
-        log.info("drained: %s", report)
+        info_now(log, "drained: %s", report)
         return report
 
 

@@ -35,7 +35,7 @@ from cluster.protocol import (
 )
 from cluster.auth import ApiKeys, BearerAuth, resolve_keys
 from cluster.config import ServeConfig
-from cluster.disconnect import QuietDisconnect
+from cluster.disconnect import QuietDisconnect, info_now
 from cluster.drain import Admission
 from cluster.goodput import StepCosts
 from cluster.observability.http import add_metrics_routes
@@ -237,7 +237,7 @@ class OpenAIIngress:
             return _unavailable("server overloaded: too many queued requests, retry later", self.admission.retry_after())
         except Interrupted as err:  # timed out (or drained) before its first token
             stream.cancel()
-            log.info("request %s ended: %s", fmt.id, err.reason)
+            info_now(log, "request %s ended: %s", fmt.id, err.reason)
             return _interrupted_response(err)
         except Exception as err:
             log.exception("engine replica unavailable")
@@ -269,7 +269,7 @@ class OpenAIIngress:
                 last = item
         except Interrupted as err:
             stream.cancel()
-            log.info("request %s ended: %s", fmt.id, err.reason)
+            info_now(log, "request %s ended: %s", fmt.id, err.reason)
             return _interrupted_response(err)
         except Exception as err:
             log.exception("generation stream broke")
@@ -301,13 +301,13 @@ class OpenAIIngress:
                 yield sse(error_body("engine error: the generation ended without a final step", None, "server_error"))
             finished = True
         except Interrupted as err:
-            log.info("request %s ended: %s", fmt.id, err.reason)
+            info_now(log, "request %s ended: %s", fmt.id, err.reason)
             yield sse(error_body(err.message, None, "server_error", err.reason))
         except Exception as err:
             log.exception("generation stream broke")
             yield sse(error_body(f"engine error: {type(err).__name__}: {err}", None, "server_error"))
         except (asyncio.CancelledError, GeneratorExit):  # the client went away
-            log.info("request %s cancelled by the client", fmt.id)
+            info_now(log, "request %s cancelled by the client", fmt.id)
             raise
         finally:
             if not finished:

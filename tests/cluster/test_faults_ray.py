@@ -180,7 +180,8 @@ def test_drain_out_of_time_aborts_streams_with_an_error_event_and_frees_kv(app, 
             streams, tasks = await start_streams(client, 3)
             await engine.stall_engine_for_test.remote(10)  # the streams cannot finish in the drain's 1 s
             drain = ingress.drain.remote(1.0)
-            await asyncio.sleep(0.3)
+            while (await client.get("/health")).json()["status"] != "draining":  # the drain has begun
+                await asyncio.sleep(0.05)
             refused = await client.post("/v1/completions", json={"prompt": "late", "max_tokens": 4})
             report = await drain
             await asyncio.wait_for(asyncio.gather(*tasks), 30)

@@ -47,3 +47,5 @@ def test_short_soak_loses_nothing_frees_kv_and_drains(tiny_config_path, tmp_path
     assert drain["exit_code"] == 0 and drain["streams"] == ["ok"] * 4, drain
     new = drain["new_request"]
     assert new is not None and (new["status"] == "connection refused" or int(new["retry_after"]) >= 1), drain
+    logs = report["server_logs"]  # the ingress's INFO lines reached its log file (not left in Serve's buffer)
+    assert logs["cancelled_by_client"] >= 1 and logs["drained"] >= 1 and logs["never_retrieved"] == 0, logs

@@ -12,12 +12,15 @@ Panel layouts (``q4_1_gemm.c``, ``q8_0_gemm.c``): ``[ceil(N / 32), K / 32, PANEL
 for each panel of 32 rows and k-block the 32 rows' scales side by side, then the quantized values
 k-row by k-row (Q4_1: row ``i`` in the low 4 bits and row ``16 + i`` in the high 4 bits of byte
 ``i``). Rows past ``N`` are zero. The same bytes per weight as the file, every value as shipped.
+Panels are allocated on huge pages (:mod:`workers.kernels.hugepages`).
 """
 
 from __future__ import annotations
 
 import numpy as np
 import torch
+
+from workers.kernels import hugepages
 
 QK = 32  # weights per GGUF block (along K)
 PANEL = 32  # output rows per panel
@@ -60,7 +63,10 @@ def panels_from_blocks(fmt: str, raw: np.ndarray) -> torch.Tensor:
     else:
         scales = _by_panel(blocks[..., 0:2], panels, nb).reshape(panels, nb, 64)
         packed = np.moveaxis(_by_panel(blocks[..., 2:], panels, nb), 2, 3).reshape(panels, nb, QK * PANEL)
-    return torch.from_numpy(np.ascontiguousarray(np.concatenate([scales, packed], axis=-1)))
+    out = hugepages.empty((panels, nb, PANEL_BLOCK_BYTES[fmt]), torch.uint8)
+    out.numpy()[..., : scales.shape[-1]] = scales
+    out.numpy()[..., scales.shape[-1] :] = packed
+    return out
 
 
 def dequantize_panels(fmt: str, panels: torch.Tensor, n: int) -> torch.Tensor:

@@ -12,17 +12,18 @@ from __future__ import annotations
 
 import torch
 
-from workers.kernels import build
+from workers.kernels import build, hugepages
 
 PANEL = 32
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     """``[N, K] float32`` -> panels ``[ceil(N / 32), K, 32]`` (``panels[p, k, j] = W[32 p + j, k]``,
-    zero rows pad the last panel)."""
+    zero rows pad the last panel), on huge pages (:mod:`workers.kernels.hugepages`)."""
     n, k = weight.shape
     padded = torch.nn.functional.pad(weight.detach(), (0, 0, 0, -n % PANEL))
-    return padded.view(-1, PANEL, k).transpose(1, 2).contiguous()
+    panels = hugepages.empty((padded.shape[0] // PANEL, k, PANEL), padded.dtype)
+    return panels.copy_(padded.view(-1, PANEL, k).transpose(1, 2))
 
 
 def unpack_weight(panels: torch.Tensor, out_features: int) -> torch.Tensor:

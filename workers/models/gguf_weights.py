@@ -138,6 +138,9 @@ def use_gguf_weights(model: torch.nn.Module, path: str | Path, strict: bool = Tr
     tensors = file.tensors
     arch = file.metadata.get("general.architecture")
     cfg = model.config
+    expected = "qwen2" if cfg.model_type == "qwen2" else "llama"  # llama.cpp files Mistral as "llama"
+    if arch != expected:
+        raise ValueError(f"{path.name} is a {arch!r} GGUF file, the model ({cfg.model_type}) needs {expected!r}")
     report = GGUFReport(path)
 
     def build_layer(name: str, module: torch.nn.Module, parts: list[tuple[str, int | None]], tied=None):

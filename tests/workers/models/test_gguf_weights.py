@@ -46,6 +46,20 @@ def test_file_reader_matches_gguf_py(gguf_dir):
         GGUFFile(gguf_dir / "config.json")
 
 
+def test_architecture_must_match_the_model(gguf_dir, monkeypatch):
+    model = load_model(gguf_dir)
+    monkeypatch.setattr(GGUFFile, "__init__", _renamed_arch(GGUFFile.__init__, "gpt2"))
+    with pytest.raises(ValueError, match="is a 'gpt2' GGUF file, the model \\(llama\\) needs 'llama'"):
+        use_gguf_weights(model, gguf_dir / "model.gguf")
+
+
+def _renamed_arch(init, arch):
+    def patched(self, path):
+        init(self, path)
+        self.metadata["general.architecture"] = arch
+    return patched
+
+
 @needs_kernel
 def test_quantized_layers_equal_the_float32_layers(gguf_dir):
     """Every layer's dequantized blocks (attn_q/attn_k rows un-permuted) equal the float32 weights,
