@@ -23,7 +23,11 @@ llama.cpp is not a dependency; build it once (about 15 minutes on 2 cores)::
     cmake --build ~/llamacpp/build --target llama-server llama-quantize -j2
 
 and pass ``--llama-cpp-bin ~/llamacpp/build/bin`` (or set ``LLAMA_CPP_BIN``). Without the binaries
-the llama.cpp rows are skipped with that message; the rdserve rows still run.
+the llama.cpp rows are skipped with that message; the rdserve rows still run. On a VM that lists AMX
+in its CPU flags without enabling it, a ``-DGGML_NATIVE=ON`` build dies with SIGILL (``tilezero``):
+configure with ``-DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON
+-DGGML_AVX512_VBMI=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF`` (plus ``-DGGML_AVX2=ON -DGGML_FMA=ON
+-DGGML_F16C=ON``). A failing server is reported in the table and the JSON, the other rows kept.
 
 Usage:
     python benchmarks/vs_llamacpp.py --prompts ../shared/datasets/broad/dev.jsonl --num-prompts 9 \\
@@ -164,6 +168,7 @@ def main() -> None:
     have_llama = all((bin_dir / b).is_file() for b in ("llama-server", "llama-quantize"))
     results: dict = {}
     skipped: list[str] = []
+    failed: dict[str, str] = {}
 
     def record(name: str, run: dict) -> None:
         results[name] = run
@@ -194,10 +199,15 @@ def main() -> None:
             if not have_llama:
                 skipped.append(f"llama-{kind}")
                 continue
-            file = gguf if kind == "q4_1" else f32_twin(bin_dir, gguf)
             ctx = 1024 + args.max_tokens
             for slots in [1] + ([args.concurrency] if args.concurrency else []):
-                proc, url = start_llama(bin_dir, file, args.threads, slots, ctx)
+                try:  # a llama.cpp failure (e.g. a build for another CPU) keeps the rows measured so far
+                    file = gguf if kind == "q4_1" else f32_twin(bin_dir, gguf)
+                    proc, url = start_llama(bin_dir, file, args.threads, slots, ctx)
+                except (RuntimeError, TimeoutError, subprocess.CalledProcessError) as e:
+                    failed[f"llama.cpp {kind} c={slots}"] = str(e)[-400:]
+                    print(f"llama.cpp {kind} c={slots} failed: {e}", file=sys.stderr, flush=True)
+                    continue
                 try:
                     measure(url, "gguf", rows[:2], 2, 1, None, 16, count_tokens)  # warm-up
                     record(f"llama.cpp {kind} c={slots}",
@@ -222,11 +232,13 @@ def main() -> None:
                (f"rdserve default / llama.cpp Q4_1 at {c} concurrent (target >= 1x)",
                 f"rdserve gguf default c={c}", f"llama.cpp q4_1 c={c}")]
     lines += ["", "| ratio | value |", "|---|---|"] + [f"| {t} | {ratio(a, b)} |" for t, a, b in targets]
+    lines += [f"failed: {k}: {v.splitlines()[0] if v else ''}" for k, v in failed.items()]
     table = "\n".join(lines)
     print(table)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps({"args": vars(args), "results": results, "skipped": skipped,
+                                                    "failed": failed,
                                                     "ratios": {t: ratio(a, b) for t, a, b in targets}}, indent=1))
     out.with_suffix(".md").write_text(table + "\n")
 
