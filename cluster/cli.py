@@ -81,22 +81,24 @@ def up(config: Path = ConfigOption) -> None:
     from cluster.app import SERVE_ENV, deploy, local_serve_env
     from cluster.observability.http import port_in_use
 
-    if port_in_use(cfg.serve.port):
-        err_console.print(f"[red]config error[/red]: serve.port: port {cfg.serve.port} is in use; choose a free port",
-                          highlight=False)
-        raise typer.Exit(2)
-    for key, value in {**SERVE_ENV, **local_serve_env(cfg.serve.port)}.items():  # before ray.init: Ray's
-        os.environ.setdefault(key, value)  # processes inherit the driver's environment
+    metrics_port = cfg.observability.metrics_port  # Ray's metrics agent serves Prometheus text there
+    for field, port in (("serve.port", cfg.serve.port), ("observability.metrics_port", metrics_port)):
+        if port_in_use(port):
+            err_console.print(f"[red]config error[/red]: {field}: port {port} is in use (another Ray or rdserve?); "
+                              "choose a free port", highlight=False)
+            raise typer.Exit(2)
+    # Before ray.init (Ray's processes inherit the driver's environment). An operator's own values of
+    # SERVE_ENV and of RAY_SERVE_ENABLE_DIRECT_INGRESS win; the direct-ingress port is this run's serve.port.
+    local_env = local_serve_env(cfg.serve.port)
+    operator_may_set = {**SERVE_ENV, "RAY_SERVE_ENABLE_DIRECT_INGRESS": local_env.pop("RAY_SERVE_ENABLE_DIRECT_INGRESS")}
+    for key, value in operator_may_set.items():
+        os.environ.setdefault(key, value)
+    os.environ.update(local_env)
     direct_ingress = os.environ["RAY_SERVE_ENABLE_DIRECT_INGRESS"] == "1"  # else Serve's proxy serves the port
     import ray
     from ray import serve
 
     local_only = cfg.serve.host in ("127.0.0.1", "localhost")  # keep Ray's own ports on loopback too
-    metrics_port = cfg.observability.metrics_port  # Ray's metrics agent serves Prometheus text there
-    if port_in_use(metrics_port):
-        err_console.print(f"[red]config error[/red]: observability.metrics_port: port {metrics_port} is in use "
-                          "(another Ray or rdserve?); choose a free port", highlight=False)
-        raise typer.Exit(2)
     ray.init(include_dashboard=False, logging_level=logging.WARNING, _metrics_export_port=metrics_port,
              **({"_node_ip_address": "127.0.0.1"} if local_only else {}))
     stop = threading.Event()

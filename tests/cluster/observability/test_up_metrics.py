@@ -35,14 +35,19 @@ def test_help_fits_80_columns(command):
     assert "…" not in result.output and max(len(line) for line in result.output.splitlines()) <= 80
 
 
-def test_up_refuses_a_metrics_port_in_use(tiny_config_path):
+@pytest.mark.parametrize("field", ["observability.metrics_port", "serve.port"])
+def test_up_refuses_a_port_in_use_before_touching_the_environment(tiny_config_path, field, monkeypatch):
+    monkeypatch.delenv("RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT", raising=False)
     with socket.socket() as busy:
         busy.bind(("", 0))
         busy.listen()
-        config = tiny_config_path.parent / "busy_metrics.yaml"
-        config.write_text(tiny_config_path.read_text() + f"observability: {{metrics_port: {busy.getsockname()[1]}}}\n")
+        section, key = field.split(".")
+        config = tiny_config_path.parent / "busy_port.yaml"
+        config.write_text(tiny_config_path.read_text() + f"{section}: {{{key}: {busy.getsockname()[1]}}}\n")
         result = CliRunner().invoke(app, ["up", "--config", str(config)])
-    assert result.exit_code == 2 and "observability.metrics_port" in result.output
+    assert result.exit_code == 2 and field in result.output
+    # a refused start leaves no direct-ingress port behind for a later `rdserve up` of this process's children
+    assert "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT" not in os.environ
 
 
 def test_up_prints_the_metrics_url_which_serves_rdserve_series(tiny_config_path):
