@@ -10,15 +10,18 @@ cancelled the ordinary way (the ingress logs one INFO line with the request's id
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import logging.handlers
+
+from ray.exceptions import TaskCancelledError
 
 DISCONNECT = {"type": "http.disconnect"}
 
 
 class QuietDisconnect:
-    """Pure ASGI middleware (no wrapping of what is sent)."""
+    """Pure ASGI middleware (no wrapping of what is sent). Only Ray's ``TaskCancelledError`` becomes a
+    disconnect: any other failure of ``receive()`` is not evidence that the client left, and turning it
+    into one would cut a healthy stream short."""
 
     def __init__(self, app):
         self.app = app
@@ -31,9 +34,7 @@ class QuietDisconnect:
         async def receive_or_disconnect():
             try:
                 return await receive()
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # TaskCancelledError and kin: the request's client is gone
+            except TaskCancelledError:  # the proxy cancelled the request: its client is gone
                 return DISCONNECT
 
         await self.app(scope, receive_or_disconnect, send)
