@@ -53,6 +53,23 @@ print(json.dumps({"victim": victim, "errors": errors, "raise_s": raise_s, "resta
                   "survivors": [p for p in ex.comm.pids[1:] if process_alive(p)]}))
 """
 
+KILLED_MID_TRANSFER = """
+import os, sys, threading, torch
+from workers.forward_batch import contiguous_batch
+from workers.tp.comm import RankFailure
+from workers.tp.executor import TPExecutor
+
+ex = TPExecutor(sys.argv[1], 2, 256, num_threads=1)
+batch = contiguous_batch(torch.arange(1, 120), 0)  # 119 tokens: all-reduces of ~30 KiB
+ex.logits(ex.forward(batch))
+threading.Timer(0.3, os.kill, (ex.comm.pids[1], 9)).start()
+try:
+    while True:
+        ex.logits(ex.forward(batch))
+except RankFailure as e:
+    print("RankFailure:", e)
+"""
+
 LEADER_KILLED = """
 import sys, time
 from workers.tp.executor import TPExecutor
@@ -85,6 +102,16 @@ def test_killed_rank_raises_rank_failure(model_dir):
     assert result["raise_s"] < 5
     assert result["survivors"] == []  # close() ended the ranks that were still alive
     assert "restart the process" in result["restart"]
+
+
+@pytest.mark.parametrize("attempt", range(3))
+def test_rank_killed_during_a_large_transfer_raises_rank_failure_not_abort(model_dir, attempt):
+    """Regression: with UCX's CMA transport the leader died by SIGABRT when the peer vanished in the
+    middle of a large all-reduce (see workers/tp/mpi.py)."""
+    proc = _leader(KILLED_MID_TRANSFER, model_dir, stderr=subprocess.PIPE)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-2000:]
+    assert "RankFailure: TP rank 1" in out, (out, err[-2000:])
 
 
 def test_killed_leader_makes_ranks_exit(model_dir):
