@@ -67,10 +67,10 @@ def prompt_mix(mix: str, datasets: Path) -> list[PromptRow]:
         return [r for r in broad if r.category == "summarization"]
     math = [PromptRow("math", messages=[{"role": "user", "content": json.loads(line)["question"]
                                          + "\nSolve step by step."}])
-            for line in (datasets / "gsm8k" / "gsm8k_dev.jsonl").read_text().splitlines() if line.strip()]
+            for line in (datasets / "gsm8k" / "gsm8k_dev.jsonl").read_text().split("\n") if line.strip()]
     code = [PromptRow("code", messages=[{"role": "user", "content": "Complete this Python function:\n\n"
                                          + json.loads(line)["prompt"]}])
-            for line in (datasets / "humaneval" / "humaneval_dev.jsonl").read_text().splitlines() if line.strip()]
+            for line in (datasets / "humaneval" / "humaneval_dev.jsonl").read_text().split("\n") if line.strip()]
     rows, i = [], 0
     while len(rows) < 96:  # two broad rows, then one math, one code
         rows += [broad[2 * i % len(broad)], broad[(2 * i + 1) % len(broad)], math[i % len(math)], code[i % len(code)]]

@@ -238,7 +238,7 @@ def generate(
 
 def _read_prompts(path: Path) -> list[dict]:
     items = []
-    for n, line in enumerate(path.read_text().splitlines(), start=1):
+    for n, line in enumerate(path.read_text().split("\n"), start=1):
         if not line.strip():
             continue
         try:

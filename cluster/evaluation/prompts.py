@@ -61,7 +61,7 @@ def load_prompts(path: str | Path) -> list[PromptRow]:
     """
     path = Path(path)
     try:
-        lines = path.read_text().splitlines()
+        lines = path.read_text().split("\n")
     except OSError as err:
         raise PromptFileError(f"{path}: cannot read ({err.strerror})") from None
     rows = []

@@ -17,10 +17,13 @@ console = Console()
 
 def _read_prompts(path: Path) -> list[dict]:
     rows = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
+    for n, line in enumerate(path.read_text().split("\n"), 1):
         if not line.strip():
             continue
-        row = json.loads(line)
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise typer.BadParameter(f"{path}:{n}: invalid JSON ({e.msg})") from None
         if "messages" not in row and "prompt" not in row:
             raise typer.BadParameter(f"{path}:{n}: each line needs 'prompt' or 'messages'")
         rows.append(row)

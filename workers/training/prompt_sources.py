@@ -64,7 +64,7 @@ def gsm8k_prompts(datasets_dir: Path) -> list[dict]:
     path = datasets_dir / "gsm8k" / "gsm8k_dev.jsonl"
     if not path.is_file():
         return []
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = [json.loads(line) for line in path.read_text().split("\n") if line.strip()]
     return [_chat(r["question"] + "\nSolve step by step.", "math") for r in rows]
 
 
@@ -72,7 +72,7 @@ def humaneval_prompts(datasets_dir: Path) -> list[dict]:
     path = datasets_dir / "humaneval" / "humaneval_dev.jsonl"
     if not path.is_file():
         return []
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = [json.loads(line) for line in path.read_text().split("\n") if line.strip()]
     return [_chat("Complete this Python function:\n\n" + r["prompt"], "code") for r in rows]
 
 
