@@ -98,6 +98,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64, help="completion tokens per request (at most)")
     ap.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="goodput SLO: time to first token")
     ap.add_argument("--slo-tpot-ms", type=float, default=100.0, help="goodput SLO: time per output token")
+    ap.add_argument("--rounds", type=int, default=1, help="passes over the levels; each pass rotates the policy "
+                    "order; a cell pools every pass (tokens / time, goodput / time) and the JSON keeps each pass")
     ap.add_argument("--out", default="benchmarks/results/spec_policies", help="output path without suffix")
     args = ap.parse_args()
 
@@ -124,25 +126,35 @@ def main() -> None:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         for p in policies:
             deploy(policy_config(cfg, p, Path(args.calibration).resolve()), name=p, route_prefix=f"/{p}")
-        for c in levels:
-            for p in policies:
-                url = f"http://127.0.0.1:{port}/{p}"
-                run_load(url, rows[:2], LoadSpec(model=cfg.model.name, max_tokens=8, concurrency=1, max_requests=2),
-                         progress=False)  # warm-up
-                spec = LoadSpec(model=cfg.model.name, max_tokens=args.max_tokens, concurrency=c,
-                                max_requests=max(8, args.requests_per_client * c), duration_s=3600, grace_s=120)
-                s = run_load(url, rows, spec, progress=False).summary(slo)
-                results[p][c] = {k: s[k] for k in ("completed", "failed", "duration_s", "output_tokens",
-                                                    "output_throughput", "goodput", "tokens_per_step", "modes")}
-                results[p][c]["ttft_p50_ms"], results[p][c]["tpot_p50_ms"] = s["ttft_ms"]["p50"], s["tpot_ms"]["p50"]
-                print(f"c={c} {p}: {s['output_throughput']:.1f} tok/s, goodput {s['goodput']:.2f} req/s, "
-                      f"failed {s['failed']}", flush=True)
+        passes: dict = {p: {c: [] for c in levels} for p in policies}
+        for r in range(args.rounds):
+            for c in levels:
+                for p in policies[r % len(policies):] + policies[:r % len(policies)]:  # rotated each pass
+                    url = f"http://127.0.0.1:{port}/{p}"
+                    run_load(url, rows[:2], LoadSpec(model=cfg.model.name, max_tokens=8, concurrency=1,
+                                                     max_requests=2), progress=False)  # warm-up
+                    spec = LoadSpec(model=cfg.model.name, max_tokens=args.max_tokens, concurrency=c,
+                                    max_requests=max(8, args.requests_per_client * c), duration_s=3600, grace_s=120)
+                    s = run_load(url, rows, spec, progress=False).summary(slo)
+                    cell = {k: s[k] for k in ("completed", "failed", "duration_s", "output_tokens",
+                                              "output_throughput", "goodput", "tokens_per_step", "modes")}
+                    cell["ttft_p50_ms"], cell["tpot_p50_ms"] = s["ttft_ms"]["p50"], s["tpot_ms"]["p50"]
+                    passes[p][c].append(cell)
+                    print(f"round {r + 1}/{args.rounds} c={c} {p}: {s['output_throughput']:.1f} tok/s, goodput "
+                          f"{s['goodput']:.2f} req/s, failed {s['failed']}", flush=True)
+        for p in policies:
+            for c in levels:
+                cells = passes[p][c]
+                time_s = sum(x["duration_s"] for x in cells)
+                results[p][c] = {"output_throughput": sum(x["output_tokens"] for x in cells) / time_s,
+                                 "goodput": sum(x["goodput"] * x["duration_s"] for x in cells) / time_s,
+                                 "failed": sum(x["failed"] for x in cells), "passes": cells}
     finally:
         serve.shutdown()
         ray.shutdown()
 
     fixed = [p for p in policies if p != "auto"]
-    lines = [f"mix {args.mix}, {len(rows)} prompts, max_tokens {args.max_tokens}, SLO TTFT {args.slo_ttft_ms:.0f} ms "
+    lines = [f"mix {args.mix}, {len(rows)} prompts, {args.rounds} pass(es) pooled, max_tokens {args.max_tokens}, SLO TTFT {args.slo_ttft_ms:.0f} ms "
              f"TPOT {args.slo_tpot_ms:.0f} ms; output tokens/s (goodput req/s)", "",
              "| concurrency | " + " | ".join(policies) + (" | auto / best fixed |" if "auto" in policies else " |"),
              "|---" * (len(policies) + 1 + ("auto" in policies)) + "|"]

@@ -185,7 +185,11 @@ def _print_ready(cfg: RdserveConfig, base_url: str) -> None:
         host = base_url.rsplit(":", 1)[0]
         console.print(f"metrics (Prometheus): {host}:{cfg.observability.metrics_port}/metrics (Ray's metrics agent; "
                       f"also proxied at {base_url}/metrics)", highlight=False, soft_wrap=True)
-    print(f"try:\n  curl {base_url}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'")
+    auth = ""
+    if cfg.serve.api_keys is not None:  # never print a key: the user substitutes one of theirs
+        auth = " -H 'Authorization: Bearer YOUR_KEY'"
+        print("API keys are on (serve.api_keys): /v1/* needs 'Authorization: Bearer KEY' with one of them")
+    print(f"try:\n  curl {base_url}/v1/chat/completions -H 'Content-Type: application/json'{auth} -d '{body}'")
     print("Ctrl-C to stop.", flush=True)
 
 

@@ -213,6 +213,9 @@ class ServeConfig(_Section):
     api_keys: Annotated[list[SecretStr] | ApiKeySource | None, BeforeValidator(parse_api_keys)] = Field(
         None, description="require 'Authorization: Bearer KEY' on /v1/* (cluster.auth): a list of keys, or "
         "{env: VAR} / {file: PATH} to read them where the ingress runs; null = no authentication")
+    max_request_body_bytes: int | None = Field(
+        1 << 20, ge=1024, description="largest request body accepted (bytes); a larger one gets HTTP 413 before it "
+        "is parsed (cluster.body_limit); null = no cap")
     request_timeout_s: float | None = Field(None, gt=0, description="a request still running after this many "
                                             "seconds is aborted: 504, or an error event in a stream; null = no limit")
     drain_timeout_s: float = Field(30.0, gt=0, description="on shutdown (SIGTERM, Ctrl-C) or when Serve stops a "

@@ -34,12 +34,13 @@ from cluster.protocol import (
     error_body,
 )
 from cluster.auth import ApiKeys, BearerAuth, resolve_keys
+from cluster.body_limit import BodyLimit, BodyLimitSetting
 from cluster.config import ServeConfig
 from cluster.disconnect import QuietDisconnect, info_now
 from cluster.drain import Admission
 from cluster.goodput import StepCosts
 from cluster.observability.http import add_metrics_routes
-from cluster.limits import Interrupted, RequestGuard
+from cluster.limits import RETRY_AFTER_MIN_S, Interrupted, RequestGuard
 from cluster.pools import PoolLoad, TrackedStream
 from cluster.replica import EngineRequest, Failed, Started
 from cluster.responses import ChatFormat, CompletionFormat, sse, stats_of, usage_of
@@ -53,6 +54,8 @@ POOL_REFRESH_S = 1.0
 
 api = FastAPI(title="rdserve", description="OpenAI-compatible LLM serving with ReDrafter speculative decoding.")
 API_KEYS = ApiKeys()  # installed by the ingress (one per process: a Serve replica); off until then
+BODY_LIMIT = BodyLimitSetting()  # serve.max_request_body_bytes, installed by the ingress
+api.add_middleware(BodyLimit, setting=BODY_LIMIT)  # inside the auth check: a keyless client is refused unread
 api.add_middleware(BearerAuth, keys=API_KEYS)
 api.add_middleware(QuietDisconnect)  # outermost: a client that left is a disconnect, not an exception
 add_metrics_routes(api)  # GET /metrics, request_failure counts (outermost: sees 401s too)
@@ -104,9 +107,12 @@ def _unavailable(message: str, retry_after_s: int) -> JSONResponse:
 
 
 def _interrupted_response(err: Interrupted) -> JSONResponse:
-    """Before the first byte: a timed-out request is 504, one aborted by a drain 503."""
-    status = 504 if err.reason == "timeout" else 503
-    return JSONResponse(error_body(err.message, None, "server_error", err.reason), status_code=status)
+    """Before the first byte: a timed-out request is 504, one aborted by a drain 503 with
+    ``Retry-After: RETRY_AFTER_MIN_S`` (another replica, or this server restarted, can take it)."""
+    if err.reason == "timeout":
+        return JSONResponse(error_body(err.message, None, "server_error", err.reason), status_code=504)
+    return JSONResponse(error_body(err.message, None, "server_error", err.reason), status_code=503,
+                        headers={"Retry-After": str(RETRY_AFTER_MIN_S)})
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=256)
@@ -115,11 +121,12 @@ class OpenAIIngress:
     """``engine``: the engine deployment's handle, or in two-pool mode ``{"spec": handle, "plain":
     handle}`` with ``pool_policy`` ``{"calibration": path, "shape": [num_beams, draft_len_per_beam]}``
     (the spec pool's shape); each request then goes to the pool :mod:`cluster.pools` chooses.
-    ``serve_cfg``: API keys, request timeout and drain timeout (``serve.*``; default: none of them)."""
+    ``serve_cfg``: API keys, body size cap, request timeout and drain timeout (``serve.*``; default: none of them)."""
 
     def __init__(self, engine: DeploymentHandle | dict, model_name: str, pool_policy: dict | None = None,
                  serve_cfg: ServeConfig | None = None):
         serve_cfg = serve_cfg or ServeConfig()
+        BODY_LIMIT.max_bytes = serve_cfg.max_request_body_bytes
         API_KEYS.set(resolve_keys(serve_cfg.api_keys))  # ValueError (never a key) when the env var/file is missing
         self.admission = Admission(serve_cfg.request_timeout_s)
         self.drain_timeout_s = serve_cfg.drain_timeout_s

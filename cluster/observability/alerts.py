@@ -23,7 +23,9 @@ class AlertThresholds:
     """Alert thresholds: ``ttft_p90_s`` (TTFT SLO, p90 over 5 min, seconds), ``error_ratio`` (5xx /
     requests over 5 min), ``min_acceptance_length`` (mean acceptance length while speculating, over
     10 min), ``max_replica_changes`` (autoscaling-target changes in 30 min), ``kv_usage`` (0-1);
-    ``for_s``: how long a condition holds before the alert fires."""
+    ``for_s``: how long a condition holds before the alert fires; ``min_request_rate`` (requests/s
+    over 5 min): below it the TTFT and error-rate alerts stay silent (a p90 or a ratio of a handful
+    of requests is noise: one slow or failed request would page)."""
 
     ttft_p90_s: float = 2.0
     error_ratio: float = 0.05
@@ -31,6 +33,7 @@ class AlertThresholds:
     max_replica_changes: int = 6
     kv_usage: float = 0.95
     for_s: int = 300
+    min_request_rate: float = 0.02
 
 
 def _rate(name: str, window: str, by: str = "model_name", sel: str = "") -> str:
@@ -42,7 +45,9 @@ def alert_rules(t: AlertThresholds = AlertThresholds()) -> dict:
     """The rules file as a mapping (Prometheus rule-file format, one group ``rdserve``)."""
     hold = f"{t.for_s}s"
     ttft = (f"histogram_quantile(0.9, sum by (le, model_name, deployment) "
-            f"(rate({x('time_to_first_token_seconds')}_bucket[5m]))) > {t.ttft_p90_s}")
+            f"(rate({x('time_to_first_token_seconds')}_bucket[5m]))) > {t.ttft_p90_s} "
+            f"and sum by (model_name, deployment) (rate({x('time_to_first_token_seconds')}_count[5m])) "
+            f">= {t.min_request_rate}")
     # A Ray counter has no series until its first increment: "or X * 0" stands in for a count that never
     # grew (every request failed, no draft token ever accepted), the very cases these alerts are for.
     failures_5xx, failures = _rate("request_failure", "5m", sel='status=~"5.."'), _rate("request_failure", "5m")
@@ -53,11 +58,14 @@ def alert_rules(t: AlertThresholds = AlertThresholds()) -> dict:
     rules = [
         _alert("RdserveTTFTSLOBreach", ttft, hold, "warning",
                "TTFT p90 of {{ $labels.model_name }} ({{ $labels.deployment }}) is {{ $value | humanizeDuration }}",
-               f"Time to first token p90 over 5 min is above the SLO of {t.ttft_p90_s} s: requests queue "
+               f"Time to first token p90 over 5 min is above the SLO of {t.ttft_p90_s} s (with at least "
+               f"{t.min_request_rate} requests/s): requests queue "
                "(add replicas, see serve.autoscaling) or prompts are long (engine.max_prefill_chunk)."),
-        _alert("RdserveHighErrorRate", f"{failures_5xx} / {requests} > {t.error_ratio}", hold, "critical",
+        _alert("RdserveHighErrorRate", f"{failures_5xx} / {requests} > {t.error_ratio} and {requests} >= "
+               f"{t.min_request_rate}", hold, "critical",
                "{{ $value | humanizePercentage }} of {{ $labels.model_name }} requests fail with 5xx",
-               f"More than {t.error_ratio:.0%} of requests over 5 min ended with a server error (500 engine "
+               f"More than {t.error_ratio:.0%} of requests over 5 min (at least {t.min_request_rate} requests/s) "
+               "ended with a server error (500 engine "
                "error, 503 overload or drain, 504 timeout); see the replicas' logs."),
         _alert("RdserveSpecAcceptanceCollapse", acceptance, hold, "warning",
                "Speculation on {{ $labels.model_name }} ({{ $labels.deployment }}) accepts almost nothing: "

@@ -100,3 +100,16 @@ def test_drafter_data_dir_refuses_other_generation_settings(tmp_path):
     assert err.value.param_hint == "--max-new-tokens"
     with pytest.raises(typer.BadParameter, match="gen_dtype='bfloat16'"):
         _check_data_settings(tmp_path, {**settings, "gen_dtype": "float32"})
+
+
+@pytest.mark.parametrize("keys", [None, ["sk-test-0123456789"]])
+def test_ready_message_curl_hint_carries_an_authorization_header_only_when_keys_are_on(tmp_path, capsys, keys):
+    from cluster.cli import _print_ready
+    from cluster.config import parse_config
+
+    cfg = parse_config({"serve": {"api_keys": keys}} if keys else {}, tmp_path)
+    _print_ready(cfg, "http://127.0.0.1:9")  # nothing listens there: the KV line is skipped
+    out = capsys.readouterr().out
+    curl = next(line for line in out.splitlines() if line.strip().startswith("curl "))
+    assert ("Authorization: Bearer YOUR_KEY" in curl) == bool(keys)
+    assert "sk-test-0123456789" not in out  # a key is never printed

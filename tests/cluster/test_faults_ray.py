@@ -178,6 +178,10 @@ def test_drain_out_of_time_aborts_streams_with_an_error_event_and_frees_kv(app, 
     async def run():
         async with httpx.AsyncClient(base_url=url, timeout=120) as client:
             streams, tasks = await start_streams(client, 3)
+            body = {k: v for k, v in PROMPT.items() if k not in ("stream", "stream_options")}
+            unstreamed = asyncio.ensure_future(client.post("/v1/completions", json=body))
+            while (await client.get("/health")).json()["load"] < 4:  # admitted, in the engine
+                await asyncio.sleep(0.05)
             await engine.stall_engine_for_test.remote(10)  # the streams cannot finish in the drain's 1 s
             drain = ingress.drain.remote(1.0)
             while (await client.get("/health")).json()["status"] != "draining":  # the drain has begun
@@ -185,12 +189,14 @@ def test_drain_out_of_time_aborts_streams_with_an_error_event_and_frees_kv(app, 
             refused = await client.post("/v1/completions", json={"prompt": "late", "max_tokens": 4})
             report = await drain
             await asyncio.wait_for(asyncio.gather(*tasks), 30)
-            return streams, refused, report
+            return streams, refused, report, await unstreamed
 
-    streams, refused, report = asyncio.run(run())
+    streams, refused, report, unstreamed = asyncio.run(run())
     assert refused.status_code == 503 and 1 <= int(refused.headers["retry-after"]) <= 10
     assert "shutting down" in refused.json()["error"]["message"]
-    assert report["aborted"] == 3 and report["finished"] == 0, report
+    assert report["aborted"] == 4 and report["finished"] == 0, report
+    assert unstreamed.status_code == 503 and unstreamed.json()["error"]["code"] == "shutdown", unstreamed.text
+    assert int(unstreamed.headers["retry-after"]) >= 1  # a client may retry elsewhere, or after a restart
     for s in streams:
         assert s.error["code"] == "shutdown" and s.events[-1] == "[DONE]", s.events[-3:]
     health = poll(lambda: (h := httpx.get(f"{url}/health", timeout=30).json())["load"] == 0

@@ -150,3 +150,20 @@ def test_client_disconnect_logs_one_info_line_and_no_stray_exception(base_url):
     everything = lines("*.err") + lines("*.log")
     assert not [line for line in everything if "Future exception was never retrieved" in line]
     assert not [line for line in everything if "TaskCancelledError" in line]
+
+
+def test_body_over_the_cap_is_413_after_the_key_check_and_under_it_is_parsed(guarded):
+    cap = 1 << 20  # serve.max_request_body_bytes default
+    big = json.dumps({**TEXT, "prompt": "a " * (cap // 2 + 10)}).encode()
+    assert len(big) > cap
+    with httpx.Client(base_url=guarded, timeout=60) as http:
+        assert http.post("/v1/completions", content=big).status_code == 401  # no key: refused unread
+        resp = http.post("/v1/completions", content=big, headers={**AUTH, "Content-Type": "application/json"})
+        assert resp.status_code == 413 and resp.json()["error"]["code"] == "request_too_large", resp.text
+        chunked = http.post("/v1/completions", content=iter([big[i:i + 65536] for i in range(0, len(big), 65536)]),
+                            headers={**AUTH, "Content-Type": "application/json"})
+        assert chunked.status_code == 413, chunked.text
+        under = json.dumps({**TEXT, "prompt": "a " * (cap // 4)}).encode()
+        resp = http.post("/v1/completions", content=under, headers={**AUTH, "Content-Type": "application/json"})
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "prompt", resp.text  # parsed: too long
+        assert http.post("/v1/completions", json=TEXT, headers=AUTH).status_code == 200

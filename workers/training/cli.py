@@ -62,7 +62,7 @@ def train(
     out: Path = typer.Option(..., help="Output directory for the drafter (config.json, model.safetensors, report)."),
     model: Optional[Path] = typer.Option(None, help="Base model HF directory; default: SmolLM2-135M-Instruct from the cache."),
     prompts: Optional[Path] = typer.Option(None, help="JSONL prompts ('prompt' or 'messages', optional 'category'). Default: built-in sources."),
-    datasets_dir: Optional[Path] = typer.Option(None, help="Directory with gsm8k/ and humaneval/ subsets for the built-in sources; without it the built-in prompts have no GSM8K math and HumanEval code."),
+    datasets_dir: Optional[Path] = typer.Option(None, help="Directory with the gsm8k/ and humaneval/ development subsets: measured in the held-out report, never trained on."),
     data_dir: Optional[Path] = typer.Option(None, help="Where generated self-distillation shards go (resumable). Default: OUT/data."),
     max_prompts: int = typer.Option(0, help="Use only the first N training prompts (0: all).", min=0),
     max_prompt_tokens: int = typer.Option(400, help="Skip prompts longer than this (tokens).", min=1),

@@ -117,11 +117,14 @@ def require_datasets(datasets_dir: Path) -> Path:
 
 
 def build_prompts(datasets_dir: Path | None, split: str) -> list[dict]:
-    """All prompts of one split (``train`` or ``heldout``), interleaved by category."""
-    prompts = chat_prompts() + stdlib_prompts()
-    if datasets_dir is not None:
-        prompts += gsm8k_prompts(datasets_dir) + humaneval_prompts(datasets_dir)
-    chosen = [p for p in prompts if split_of(p["messages"][0]["content"]) == split]
+    """All prompts of one split (``train`` or ``heldout``), interleaved by category.
+
+    Our own sources are split by :func:`split_of`. The GSM8K and HumanEval files in ``datasets_dir``
+    are development sets: they are for measuring only, so all of their prompts are ``heldout`` and
+    none is ever ``train``."""
+    chosen = [p for p in chat_prompts() + stdlib_prompts() if split_of(p["messages"][0]["content"]) == split]
+    if datasets_dir is not None and split == "heldout":
+        chosen += gsm8k_prompts(datasets_dir) + humaneval_prompts(datasets_dir)
     random.Random(1).shuffle(chosen)
     return chosen
 

@@ -26,3 +26,18 @@ def test_extra_prompts_are_new_and_cover_every_category():
     assert min(counts.values()) >= 1000, counts
     assert extra == extra_prompts()  # stable order: generation resumes by position
     assert all(t.strip() for t in texts)
+
+
+def test_development_sets_are_never_trained_on(tmp_path):
+    import json
+
+    (tmp_path / "gsm8k").mkdir()
+    (tmp_path / "humaneval").mkdir()
+    (tmp_path / "gsm8k" / "gsm8k_dev.jsonl").write_text(
+        "".join(json.dumps({"question": f"How many apples, case {i}?"}) + "\n" for i in range(40)))
+    (tmp_path / "humaneval" / "humaneval_dev.jsonl").write_text(
+        "".join(json.dumps({"prompt": f"def f{i}(x):\n"}) + "\n" for i in range(40)))
+    train = " ".join(p["messages"][0]["content"] for p in build_prompts(tmp_path, "train"))
+    held = [p["category"] for p in build_prompts(tmp_path, "heldout")]
+    assert "apples" not in train and "def f1(" not in train
+    assert held.count("math") == 40 and held.count("code") >= 40  # every dev prompt is measured
