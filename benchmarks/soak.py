@@ -63,8 +63,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(config: Path, workdir: Path) -> tuple[subprocess.Popen, str, dict]:
-    """``rdserve up`` on a copy of ``config`` bound to 127.0.0.1:free port; (process, base URL, config)."""
+def start_server(config: Path, workdir: Path, request_timeout_s: float = 0) -> tuple[subprocess.Popen, str, dict]:
+    """``rdserve up`` on a copy of ``config`` bound to 127.0.0.1:free port; (process, base URL, config).
+    ``request_timeout_s`` (when > 0) becomes ``serve.request_timeout_s`` if the config sets none."""
     sys.path.insert(0, str(REPO))
     from cluster.config import load_config
 
@@ -74,6 +75,8 @@ def start_server(config: Path, workdir: Path) -> tuple[subprocess.Popen, str, di
         data["serve"]["api_keys"] = raw["serve"]["api_keys"]  # a dump masks listed keys
     port = free_port()
     data["serve"].update(host="127.0.0.1", port=port)
+    if data["serve"].get("request_timeout_s") is None and request_timeout_s:
+        data["serve"]["request_timeout_s"] = request_timeout_s  # the server answers before the client gives up
     copy = workdir / "soak.yaml"
     copy.write_text(yaml.safe_dump(data))
     env = {**os.environ, "RAY_TMPDIR": str(workdir / "ray")}
@@ -369,7 +372,7 @@ async def drain_phase(url: str, headers: dict, proc: subprocess.Popen, streams: 
 
 async def soak(args) -> dict:
     workdir = Path(tempfile.mkdtemp(prefix="soak", dir="/tmp"))
-    proc, url, cfg = start_server(args.config, workdir)
+    proc, url, cfg = start_server(args.config, workdir, args.request_timeout_s)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     model = cfg["model"]["name"]
     try:
@@ -433,6 +436,10 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=8, help="closed-loop clients measuring capacity")
     parser.add_argument("--sample-s", type=float, default=10, help="seconds between RSS samples")
     parser.add_argument("--window-s", type=float, default=60, help="latency percentile window")
+    parser.add_argument("--request-timeout-s", type=float, default=60,
+                        help=f"serve.request_timeout_s when the config sets none (0: keep none). Under "
+                        f"{CLIENT_TIMEOUT_S:.0f} s, so an overloaded server answers 504 (outcome 'timeout') before the "
+                        "client gives up (outcome 'lost')")
     parser.add_argument("--drain-streams", type=int, default=4, help="streams in flight at the final SIGTERM")
     parser.add_argument("--api-key", default=os.environ.get("RDSERVE_API_KEY"), help="if serve.api_keys is set")
     parser.add_argument("--seed", type=int, default=0)

@@ -199,6 +199,16 @@ def library(isa: str | None = None) -> ctypes.CDLL:
 
 
 @cache
+def kernel(isa: str, name: str):
+    """The ctypes function ``name`` of variant ``isa``'s library (cached: hot paths call it per layer).
+
+    Raises:
+        KernelUnavailable: see :func:`library`.
+    """
+    return getattr(library(isa), name)
+
+
+@cache
 def _load_once(isa: str) -> tuple[ctypes.CDLL | None, KernelUnavailable | None]:
     import torch  # noqa: F401  (load torch's OpenMP runtime first, so the library shares it)
 

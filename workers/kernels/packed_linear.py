@@ -62,19 +62,21 @@ class PackedLinear(torch.nn.Module):
         return self._weight if self._weight is not None else unpack_weight(self.panels, self.out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != torch.float32 or x.device.type != "cpu":
+        # called ~120 times per decoding step: cheap checks, no reshape/view for 2-D contiguous input
+        if x.dtype != torch.float32 or not x.is_cpu:
             raise ValueError(f"PackedLinear takes float32 CPU input, got {x.dtype} on {x.device}")
-        panels, bias = self.panels, self.bias
-        if panels.dtype != torch.float32 or panels.device.type != "cpu" or not panels.is_contiguous() or (
-                bias is not None and (bias.dtype != torch.float32 or bias.device.type != "cpu")):
+        panels, bias = self._buffers["panels"], self.bias
+        if panels.dtype != torch.float32 or not panels.is_cpu or not panels.is_contiguous() or (
+                bias is not None and (bias.dtype != torch.float32 or not bias.is_cpu)):
             raise RuntimeError("PackedLinear weights were moved or cast (.to/.half/...); it is float32-CPU only")
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features).contiguous()
-        y = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)
-        if x2.shape[0]:
-            build.library(self.isa).rd_linear_packed(x2.data_ptr(), panels.data_ptr(), 0 if bias is None else bias.data_ptr(),
-                                          y.data_ptr(), x2.shape[0], self.in_features, self.out_features)
-        return y.view(*lead, self.out_features)
+        x2 = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, self.in_features).contiguous()
+        M = x2.shape[0]
+        y = torch.empty((M, self.out_features))
+        if M:
+            build.kernel(self.isa, "rd_linear_packed")(x2.data_ptr(), panels.data_ptr(),
+                                                       0 if bias is None else bias.data_ptr(),
+                                                       y.data_ptr(), M, self.in_features, self.out_features)
+        return y if x2 is x else y.view(*x.shape[:-1], self.out_features)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         """``state_dict()`` holds ``weight`` (and ``bias``) as for the ``nn.Linear`` it replaced."""

@@ -63,18 +63,20 @@ class QuantLinear(torch.nn.Module):
         return dequantize_panels(self.fmt, self.panels, self.out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != torch.float32 or x.device.type != "cpu":
+        # called ~120 times per decoding step: cheap checks, no reshape/view for 2-D contiguous input
+        if x.dtype != torch.float32 or not x.is_cpu:
             raise ValueError(f"QuantLinear takes float32 CPU input, got {x.dtype} on {x.device}")
-        if self.panels.dtype != torch.uint8 or self.panels.device.type != "cpu":
+        panels = self._buffers["panels"]
+        if panels.dtype != torch.uint8 or not panels.is_cpu:
             raise RuntimeError("QuantLinear blocks were moved or cast (.to/.half/...); they are CPU-only")
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features).contiguous()
-        y = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)
-        if x2.shape[0]:
-            fn = getattr(build.library(self.isa), _ENTRY[self.fmt])
-            fn(x2.data_ptr(), self.panels.data_ptr(), 0 if self.bias is None else self.bias.data_ptr(),
-               y.data_ptr(), x2.shape[0], self.in_features, self.out_features)
-        return y.view(*lead, self.out_features)
+        x2 = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, self.in_features).contiguous()
+        M = x2.shape[0]
+        y = torch.empty((M, self.out_features))
+        if M:
+            fn = build.kernel(self.isa, _ENTRY[self.fmt])
+            fn(x2.data_ptr(), panels.data_ptr(), 0 if self.bias is None else self.bias.data_ptr(),
+               y.data_ptr(), M, self.in_features, self.out_features)
+        return y if x2 is x else y.view(*x.shape[:-1], self.out_features)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         """``state_dict()`` holds the dequantized ``weight`` (and ``bias``), as an ``nn.Linear``'s."""

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from workers.forward_batch import ForwardBatch
 from workers.kv_cache import KVCache
 from workers.models.config import LlamaConfig
-from workers.models.rope import RotaryEmbedding, apply_rotary
+from workers.models.rope import RotaryEmbedding, apply_rotary_signed
 
 
 class RMSNorm(torch.nn.Module):
@@ -26,6 +26,9 @@ class RMSNorm(torch.nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            # the same ops in one C++ call (pow, mean, add, rsqrt, mul, mul): bit-identical, fewer dispatches
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
@@ -44,28 +47,36 @@ class Attention(torch.nn.Module):
         self.qkv_proj = torch.nn.Linear(cfg.hidden_size, out, bias=cfg.attention_bias)
         self.o_proj = torch.nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=False)
 
-    def forward(self, x, rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache, batch: ForwardBatch):
-        """x: ``[N, hidden_size]`` packed tokens -> ``[N, hidden_size]``."""
+    def forward(self, x, rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache, batch: ForwardBatch,
+                masks: list[torch.Tensor] | None = None):
+        """x: ``[N, hidden_size]`` packed tokens -> ``[N, hidden_size]``.
+
+        rope: cos and signed sin ``[N, 1, head_dim]`` (:meth:`RotaryEmbedding.signed`). masks: each
+        group's mask as an additive float mask (:func:`additive_mask`), or None to use ``group.mask``.
+        """
         N = x.shape[0]
         qkv = self.qkv_proj(x)
         q_size, kv_size = self.n_heads * self.head_dim, self.n_kv * self.head_dim
-        q = qkv[:, :q_size].view(N, self.n_heads, self.head_dim)
-        k = qkv[:, q_size : q_size + kv_size].view(N, self.n_kv, self.head_dim)
+        # queries and keys rotated in one call (elementwise, so bit-identical to two calls)
+        qk = apply_rotary_signed(qkv[:, : q_size + kv_size].view(N, self.n_heads + self.n_kv, self.head_dim), *rope)
+        q, k = qk[:, : self.n_heads], qk[:, self.n_heads :]
         v = qkv[:, q_size + kv_size :].view(N, self.n_kv, self.head_dim)
-        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         cache.write(self.layer, batch.slot_mapping, k, v)
-        if len(batch.groups) == 1:
-            out = self._attend(q, cache, batch.groups[0])
+        groups = batch.groups
+        masks = masks or [g.mask for g in groups]
+        if len(groups) == 1:
+            out = self._attend(q, cache, groups[0], masks[0])
         else:
-            out = torch.cat([self._attend(q[g.start : g.start + g.num_tokens], cache, g) for g in batch.groups])
+            out = torch.cat([self._attend(q[g.start : g.start + g.num_tokens], cache, g, m)
+                             for g, m in zip(groups, masks)])
         return self.o_proj(out)
 
-    def _attend(self, q, cache: KVCache, group) -> torch.Tensor:
+    def _attend(self, q, cache: KVCache, group, mask: torch.Tensor) -> torch.Tensor:
         """q: ``[batch * seq_len, n_heads, head_dim]`` of one group -> ``[batch * seq_len, n_heads * head_dim]``."""
         B, T = group.batch, group.seq_len
         keys, values = cache.read(self.layer, group)
         q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=group.mask, enable_gqa=True)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
         return out.transpose(1, 2).reshape(B * T, self.n_heads * self.head_dim)
 
 
@@ -91,8 +102,8 @@ class DecoderLayer(torch.nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, rope, cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), rope, cache, meta)
+    def forward(self, x, rope, cache, meta, masks=None):
+        x = x + self.self_attn(self.input_layernorm(x), rope, cache, meta, masks)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -122,10 +133,19 @@ class LlamaModel(torch.nn.Module):
             hidden: ``[N, hidden_size]`` after the final RMSNorm.
         """
         x = self.embed_tokens(batch.input_ids)
-        rope = self.rotary(batch.positions, x.dtype)
+        rope = self.rotary.signed(batch.positions, x.dtype)
+        masks = [additive_mask(g.mask, x.dtype) for g in batch.groups]  # once per forward, not per layer
         for layer in self.layers:
-            x = layer(x, rope, cache, batch)
+            x = layer(x, rope, cache, batch, masks)
         return self.norm(x)
+
+
+def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Boolean attention mask -> ``0`` / ``-inf`` of ``dtype``: what ``scaled_dot_product_attention``
+    converts a boolean mask to on every call (``convert_boolean_attn_mask``), done once per forward
+    for all layers, so attention computes the same values."""
+    zero = torch.zeros((), dtype=dtype, device=mask.device)
+    return torch.where(mask, zero, torch.full((), float("-inf"), dtype=dtype, device=mask.device))
 
 
 class LlamaForCausalLM(torch.nn.Module):
