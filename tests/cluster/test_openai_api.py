@@ -158,6 +158,8 @@ def test_malformed_json_unknown_paths_and_huge_prompts_get_openai_errors(http):
         resp = http.request(method, path)
         assert resp.status_code == code and "message" in resp.json()["error"]
     resp = http.post("/v1/completions", json={"prompt": "x" * 2_000_000, "max_tokens": 4})
+    assert resp.status_code == 413 and resp.json()["error"]["code"] == "request_too_large"  # over the body cap
+    resp = http.post("/v1/completions", json={"prompt": "x" * 900_000, "max_tokens": 4})  # under it, too long
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "prompt"
     assert "characters cannot fit" in resp.json()["error"]["message"]
 

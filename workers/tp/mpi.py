@@ -18,7 +18,10 @@ Import ``MPI`` from here, never from ``mpi4py`` directly, so that these settings
   ``process_vm_readv`` finds the peer gone. Without CMA a rank that dies mid-transfer makes the
   leader raise :class:`~workers.tp.comm.RankFailure` instead of dying (measured with MPICH 5.0.2:
   5 of 6 kills during a 59-token TP2 forward aborted the leader with CMA, 0 of 8 without; TP2
-  forward time unchanged within noise).
+  forward time unchanged within noise). A residue remains: in about 1 kill in 10 during a transfer
+  MPICH's UCX progress engine segfaults inside ``MPI_Test`` (2 of 15 measured); the ch4:ofi netmod
+  instead fails ``MPI_Test`` with an error that aborts even with ``ERRORS_RETURN`` on the group's
+  communicators (tried). Either way the replica dies at once and Serve replaces it.
 """
 
 from __future__ import annotations
