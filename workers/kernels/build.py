@@ -208,6 +208,28 @@ def kernel(isa: str, name: str):
     return getattr(library(isa), name)
 
 
+def run_linear(fn, x: "torch.Tensor", panels: "torch.Tensor", bias: "torch.Tensor | None", in_features: int,
+               out_features: int):
+    """``y[..., out_features] = x[..., in_features] @ W^T (+ bias)`` through the C entry point ``fn``
+    (any ``rd_linear_*``: ``fn(x, w, bias, y, M, K, N)``). Called ~120 times per decoding step, so a
+    2-D contiguous ``x`` is passed as is and ``y`` returned without a view.
+
+    Raises:
+        ValueError: ``x``'s last dimension is not ``in_features``.
+    """
+    import torch
+
+    if x.shape[-1] != in_features:
+        raise ValueError(f"input has {x.shape[-1]} features, the layer takes {in_features}")
+    x2 = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, in_features).contiguous()
+    M = x2.shape[0]
+    y = torch.empty((M, out_features))
+    if M:
+        fn(x2.data_ptr(), panels.data_ptr(), 0 if bias is None else bias.data_ptr(), y.data_ptr(), M,
+           in_features, out_features)
+    return y if x2 is x else y.view(*x.shape[:-1], out_features)
+
+
 @cache
 def _load_once(isa: str) -> tuple[ctypes.CDLL | None, KernelUnavailable | None]:
     import torch  # noqa: F401  (load torch's OpenMP runtime first, so the library shares it)

@@ -69,14 +69,8 @@ class PackedLinear(torch.nn.Module):
         if panels.dtype != torch.float32 or not panels.is_cpu or not panels.is_contiguous() or (
                 bias is not None and (bias.dtype != torch.float32 or not bias.is_cpu)):
             raise RuntimeError("PackedLinear weights were moved or cast (.to/.half/...); it is float32-CPU only")
-        x2 = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, self.in_features).contiguous()
-        M = x2.shape[0]
-        y = torch.empty((M, self.out_features))
-        if M:
-            build.kernel(self.isa, "rd_linear_packed")(x2.data_ptr(), panels.data_ptr(),
-                                                       0 if bias is None else bias.data_ptr(),
-                                                       y.data_ptr(), M, self.in_features, self.out_features)
-        return y if x2 is x else y.view(*x.shape[:-1], self.out_features)
+        return build.run_linear(build.kernel(self.isa, "rd_linear_packed"), x, panels, bias,
+                                self.in_features, self.out_features)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         """``state_dict()`` holds ``weight`` (and ``bias``) as for the ``nn.Linear`` it replaced."""

@@ -69,14 +69,8 @@ class QuantLinear(torch.nn.Module):
         panels = self._buffers["panels"]
         if panels.dtype != torch.uint8 or not panels.is_cpu:
             raise RuntimeError("QuantLinear blocks were moved or cast (.to/.half/...); they are CPU-only")
-        x2 = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, self.in_features).contiguous()
-        M = x2.shape[0]
-        y = torch.empty((M, self.out_features))
-        if M:
-            fn = build.kernel(self.isa, _ENTRY[self.fmt])
-            fn(x2.data_ptr(), panels.data_ptr(), 0 if self.bias is None else self.bias.data_ptr(),
-               y.data_ptr(), M, self.in_features, self.out_features)
-        return y if x2 is x else y.view(*x.shape[:-1], self.out_features)
+        return build.run_linear(build.kernel(self.isa, _ENTRY[self.fmt]), x, panels, self.bias,
+                                self.in_features, self.out_features)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         """``state_dict()`` holds the dequantized ``weight`` (and ``bias``), as an ``nn.Linear``'s."""

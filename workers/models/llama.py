@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from workers.forward_batch import ForwardBatch
 from workers.kv_cache import KVCache
 from workers.models.config import LlamaConfig
-from workers.models.rope import RotaryEmbedding, apply_rotary_signed
+from workers.models.rope import RotaryEmbedding, apply_rotary
 
 
 class RMSNorm(torch.nn.Module):
@@ -48,14 +48,14 @@ class Attention(torch.nn.Module):
                 masks: list[torch.Tensor] | None = None):
         """x: ``[N, hidden_size]`` packed tokens -> ``[N, hidden_size]``.
 
-        rope: cos and signed sin ``[N, 1, head_dim]`` (:meth:`RotaryEmbedding.signed`). masks: each
+        rope: cos and signed sin ``[N, 1, head_dim]`` (:class:`RotaryEmbedding`). masks: each
         group's mask as an additive float mask (:func:`additive_mask`), or None to use ``group.mask``.
         """
         N = x.shape[0]
         qkv = self.qkv_proj(x)
         q_size, kv_size = self.n_heads * self.head_dim, self.n_kv * self.head_dim
         # queries and keys rotated in one call (elementwise, so bit-identical to two calls)
-        qk = apply_rotary_signed(qkv[:, : q_size + kv_size].view(N, self.n_heads + self.n_kv, self.head_dim), *rope)
+        qk = apply_rotary(qkv[:, : q_size + kv_size].view(N, self.n_heads + self.n_kv, self.head_dim), *rope)
         q, k = qk[:, : self.n_heads], qk[:, self.n_heads :]
         v = qkv[:, q_size + kv_size :].view(N, self.n_kv, self.head_dim)
         cache.write(self.layer, batch.slot_mapping, k, v)
@@ -130,7 +130,7 @@ class LlamaModel(torch.nn.Module):
             hidden: ``[N, hidden_size]`` after the final RMSNorm.
         """
         x = self.embed_tokens(batch.input_ids)
-        rope = self.rotary.signed(batch.positions, x.dtype)
+        rope = self.rotary(batch.positions, x.dtype)
         masks = [additive_mask(g.mask, x.dtype) for g in batch.groups]  # once per forward, not per layer
         for layer in self.layers:
             x = layer(x, rope, cache, batch, masks)

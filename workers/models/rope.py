@@ -38,39 +38,27 @@ def inv_frequencies(head_dim: int, rope_theta: float, rope_scaling: dict | None)
 
 
 class RotaryEmbedding(torch.nn.Module):
-    """Precomputed cos/sin tables; ``forward`` rotates q and k at given positions."""
+    """Precomputed cos and signed sin tables (rotate-half convention, as in Hugging Face Llama, with
+    the first half of sin negated so :func:`apply_rotary` needs no negation)."""
 
     def __init__(self, head_dim: int, max_positions: int, rope_theta: float, rope_scaling: dict | None):
         super().__init__()
         inv = inv_frequencies(head_dim, rope_theta, rope_scaling)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv)
         emb = torch.cat([freqs, freqs], dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
         half = head_dim // 2
+        self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin_signed", torch.cat([-emb[:, :half].sin(), emb[:, half:].sin()], -1),
                              persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin ``[N, 1, D]`` for positions ``[N]`` (looked up once per forward)."""
-        return self.cos[positions].unsqueeze(-2).to(dtype), self.sin[positions].unsqueeze(-2).to(dtype)
-
-    def signed(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and *signed* sin ``[N, 1, D]`` (first half negated) for :func:`apply_rotary_signed`."""
+        """cos and signed sin ``[N, 1, D]`` for positions ``[N]`` (looked up once per forward)."""
         return self.cos[positions].unsqueeze(-2).to(dtype), self.sin_signed[positions].unsqueeze(-2).to(dtype)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` ``[N, heads, D]`` (rotate-half convention, as in Hugging Face Llama)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
-
-
-def apply_rotary_signed(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
-    """:func:`apply_rotary` with the sign folded into the table (``sin_signed`` from
-    :meth:`RotaryEmbedding.signed`): one op fewer per call and bit-identical, since
-    ``(-a) * s == a * (-s)`` exactly in IEEE arithmetic. ``x``: ``[N, heads, D]``, any heads
-    (queries and keys rotated in one call)."""
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ``[N, heads, D]`` (any heads: queries and keys in one call) with the tables of
+    :class:`RotaryEmbedding`: ``x * cos + rotate_half(x) * sin``, the sign of ``rotate_half`` folded
+    into ``sin_signed``; bit-identical to the unfolded form since ``(-a) * s == a * (-s)`` exactly."""
     half = x.shape[-1] // 2
     return x * cos + torch.cat([x[..., half:], x[..., :half]], dim=-1) * sin_signed
