@@ -62,7 +62,8 @@ class EngineConfig(_Section):
     weights: Literal["auto", "gguf", "float32"] = Field(
         "auto", description="'gguf': serve the model's GGUF Q4_1/Q8_0 blocks as shipped (CPU, float32 activations); "
         "'float32': the dequantized weights; 'auto': gguf where the model came from a GGUF file (the default model) "
-        "and the engine runs float32 on CPU with tp_size 1, else float32")
+        "and the engine runs float32 on CPU with tp_size 1, else float32. With gguf the drafter's float32 weights "
+        "are served as Q8_0 blocks")
     tp_size: int = Field(1, ge=1, description="tensor-parallel ranks per replica")
     num_beams: int = Field(4, ge=1, le=16, description="ReDrafter beams drafted per step")
     draft_len_per_beam: int = Field(4, ge=1, le=16, description="draft tokens per beam")

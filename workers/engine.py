@@ -81,7 +81,8 @@ class EngineOptions:
     tp_size: tensor-parallel ranks of the executor (sizes each rank's share of the KV cache).
     weights: ``"auto"`` (the model's GGUF quantized blocks where the model came from one and the
         engine runs float32 on CPU, else float32), ``"gguf"`` or ``"float32"``
-        (:mod:`workers.models.gguf_weights`).
+        (:mod:`workers.models.gguf_weights`). On GGUF blocks the drafter runs on Q8_0 blocks too
+        (:mod:`workers.redrafter.quantize`).
     """
 
     device: str = "cpu"
@@ -135,7 +136,9 @@ class Engine:
         self.max_seq_len = min(opts.max_seq_len, cfg.max_position_embeddings)
         self.drafter = None
         if drafter_path:
-            self.drafter = load_drafter(drafter_path, model.lm_head.weight, dtype, opts.device)
+            # with the model on GGUF blocks the drafter runs on Q8_0 blocks too (workers/redrafter/quantize.py)
+            self.drafter = load_drafter(drafter_path, model.lm_head.weight, dtype, opts.device,
+                                        weight_format="Q8_0" if self.weights is not None else "float32")
         if spec_policy is not None:
             self.spec_policy = spec_policy
         elif opts.spec_schedule == "auto":

@@ -75,6 +75,8 @@ def engines(tiny_model_dirs, trained_drafter_dirs):
         engine = Engine(str(tiny_model_dirs[variant]), str(trained_drafter_dirs[variant]),
                         num_beams=num_beams, draft_len_per_beam=draft_len, max_seq_len=256)
         assert (engine.weights is not None) == variant.endswith("@gguf")  # GGUF blocks served by default
+        # and then the drafter drafts on Q8_0 blocks (workers/redrafter/quantize.py)
+        assert (type(engine.drafter.rnn_u).__name__ == "QuantLinear") == variant.endswith("@gguf")
         return engine
 
     return make

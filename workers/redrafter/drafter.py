@@ -157,14 +157,22 @@ def pack_for_cpu(drafter: ReDrafter) -> None:
 
 
 def load_drafter(
-    path: str | Path, base_lm_head: torch.Tensor | None, dtype=torch.float32, device="cpu", use_draft_vocab: bool = True
+    path: str | Path, base_lm_head: torch.Tensor | None, dtype=torch.float32, device="cpu", use_draft_vocab: bool = True,
+    weight_format: str = "float32",
 ) -> ReDrafter:
     """Load a drafter directory (ours or Apple's: ``config.json`` + ``model.safetensors``), with its
     ``draft_vocab.json`` restriction when present and ``use_draft_vocab``.
 
+    ``weight_format``: ``"float32"`` (packed float32 kernels on CPU) or ``"Q8_0"`` (a float32 CPU
+    drafter's layers re-quantized to GGUF Q8_0 blocks, :mod:`workers.redrafter.quantize`; what the
+    engine does when it serves the base model's GGUF blocks).
+
     Raises:
-        FileNotFoundError: missing files. ValueError: shape mismatch with the base model.
+        FileNotFoundError: missing files. ValueError: shape mismatch with the base model, or an
+        unknown ``weight_format``. KernelUnavailable: ``"Q8_0"`` without the CPU kernels.
     """
+    if weight_format not in ("float32", "Q8_0"):
+        raise ValueError(f"drafter weight_format must be 'float32' or 'Q8_0', got {weight_format!r}")
     path = Path(path)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"drafter directory {path} has no config.json")
@@ -194,5 +202,12 @@ def load_drafter(
     if use_draft_vocab and vocab_file.is_file():
         drafter.restrict_vocab(torch.tensor(json.loads(vocab_file.read_text()), dtype=torch.long))
     if torch.device(device).type == "cpu" and dtype == torch.float32:
-        pack_for_cpu(drafter)
+        if weight_format == "Q8_0":
+            from workers.kernels.packed_linear import prepare_cpu_inference
+            from workers.redrafter.quantize import quantize_drafter_for_cpu
+
+            quantize_drafter_for_cpu(drafter)
+            prepare_cpu_inference(drafter)  # any layer Q8_0 cannot hold (input width not a multiple of 32)
+        else:
+            pack_for_cpu(drafter)
     return drafter
