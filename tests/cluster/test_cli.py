@@ -33,7 +33,7 @@ def test_up_with_bad_config_exits_2_naming_the_field(tmp_path, yaml_text, field)
 
 
 COMMANDS = [[], ["up"], ["generate"], ["eval"], ["bench"], ["calibrate"], ["model"], ["model", "pull"], ["drafter"],
-            ["drafter", "train"]]
+            ["drafter", "train"], ["drafter", "eval"]]
 
 
 @pytest.mark.parametrize("command", COMMANDS)

@@ -155,3 +155,93 @@ def train(
         console.print(table)
     (out / "checkpoint.pt").unlink(missing_ok=True)
     console.print(f"drafter written to {out}")
+
+
+def _per_category(rows: list[dict], n: int) -> list[dict]:
+    """The first ``n`` rows of each category (all rows with ``n`` 0), in file order."""
+    seen: dict[str, int] = {}
+    out = []
+    for r in rows:
+        c = r.get("category", "unknown")
+        if not n or seen.get(c, 0) < n:
+            seen[c] = seen.get(c, 0) + 1
+            out.append(r)
+    return out
+
+
+def _shapes(text: str) -> list[tuple[int, int]]:
+    try:
+        shapes = [tuple(int(v) for v in s.lower().split("x")) for s in text.split(",") if s.strip()]
+    except ValueError:
+        shapes = []
+    if not shapes or any(len(s) != 2 or min(s) < 1 for s in shapes):
+        raise typer.BadParameter(f"expected shapes like 1x2,2x2 (num_beams x draft_len_per_beam), got {text!r}",
+                                 param_hint="--shapes")
+    return shapes
+
+
+@drafter_app.command("eval")
+def evaluate(
+    drafter: Path = typer.Option(..., help="Drafter directory (config.json, model.safetensors, draft_vocab.json)."),
+    prompts: Path = typer.Option(..., help="JSONL prompts ('prompt' or 'messages', optional 'category'), e.g. ../shared/datasets/broad/dev.jsonl."),
+    model: Optional[Path] = typer.Option(None, help="Base model HF directory; default: SmolLM2-135M-Instruct from the cache."),
+    out: Path = typer.Option(Path("drafter-eval.json"), help="JSON report."),
+    shapes: str = typer.Option("1x2", help="Beam shapes for speculative decoding, num_beams x draft_len_per_beam, comma-separated."),
+    max_new_tokens: int = typer.Option(128, help="Output tokens per prompt (both measurements).", min=2),
+    per_category: int = typer.Option(0, help="Speculative decoding on the first N prompts of each category (0: all). Teacher-forced accuracy always uses every prompt.", min=0),
+    draft_len: int = typer.Option(4, help="Drafted positions scored teacher-forced (K).", min=1),
+    data_dir: Optional[Path] = typer.Option(None, help="Cache of the base model's greedy responses to the prompts (float32; reused on a re-run). Default: next to --out."),
+    spec: bool = typer.Option(True, help="Run speculative decoding (the served engine: the model's GGUF blocks where it has them, the drafter on Q8_0)."),
+) -> None:
+    """Measure a drafter on a prompt set, per category: speculative decoding (tokens per step,
+    first-token acceptance) and teacher-forced top-1 accuracy per drafted position with the draft
+    vocabulary's coverage. Greedy, batch 1; prompts over 2,000 tokens are skipped."""
+    shape_list = _shapes(shapes)
+    from workers.engine import Engine
+    from workers.models.loader import load_model
+    from workers.models.pull import pull_default
+    from workers.models.tokenizer import apply_chat_template, load_tokenizer
+    from workers.redrafter.drafter import load_drafter
+    from workers.training.dev_eval import spec_acceptance, teacher_forced
+    from workers.training.distill_data import generate_dataset
+    from workers.training.train import load_examples
+
+    rows = _read_prompts(prompts)
+    model_dir = model or pull_default()
+    base = load_model(model_dir)
+    tok = load_tokenizer(model_dir)
+    for r in rows:
+        r["prompt_ids"] = apply_chat_template(tok, r["messages"]) if "messages" in r else tok(r["prompt"])["input_ids"]
+    skipped = sum(len(r["prompt_ids"]) > 2000 for r in rows)
+    rows = [r for r in rows if len(r["prompt_ids"]) <= 2000]
+    if skipped:
+        console.print(f"skipped {skipped} prompts over 2,000 tokens")
+    report: dict = {"drafter": str(drafter), "prompts": str(prompts), "max_new_tokens": max_new_tokens}
+    data = data_dir or out.with_name(out.stem + "-data")
+    _check_data_settings(data, {"model": str(Path(model_dir).resolve()), "prompts": str(prompts.resolve()),
+                                "max_new_tokens": max_new_tokens, "gen_dtype": "float32"})
+    eos = set(base.config.eos_token_id) | ({tok.eos_token_id} if tok.eos_token_id is not None else set())
+    console.print(f"[bold]1/2[/] teacher-forced accuracy on {len(rows)} prompts (responses cached in {data})")
+    generate_dataset(base, rows, data, max_new_tokens, 32, eos)
+    head = load_drafter(drafter, base.lm_head.weight)
+    report["teacher_forced"] = teacher_forced(head, base.model.embed_tokens.weight.detach(), load_examples(data, draft_len))
+    del base, head
+    table = Table("category", "positions", "vocab coverage", *[f"top-1 @{k + 1}" for k in range(draft_len)])
+    for cat, row in report["teacher_forced"].items():
+        table.add_row(cat, str(row["positions"]), f"{row['vocab_coverage']:.3f}", *[f"{a:.3f}" for a in row["top1_per_position"]])
+    console.print(table)
+    if spec:
+        subset = _per_category(rows, per_category)
+        report["spec"] = {}
+        for nb, dl in shape_list:
+            engine = Engine(str(model_dir), str(drafter), num_beams=nb, draft_len_per_beam=dl)
+            res = spec_acceptance(engine, subset, max_new_tokens, desc=f"speculative {nb}x{dl}")
+            report["spec"][f"{nb}x{dl}"] = res
+            table = Table("category", "prompts", "tokens/step", "first-token acceptance", title=f"shape {nb}x{dl}")
+            for cat, row in res.items():
+                table.add_row(cat, str(row["prompts"]), f"{row['tokens_per_step']:.2f}", f"{row['first_token_acceptance']:.2f}")
+            console.print(table)
+            del engine
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    console.print(f"report written to {out}")
