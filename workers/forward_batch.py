@@ -29,6 +29,9 @@ class AttentionGroup:
         Every row needs at least one True (padding tokens attend to themselves).
     kv_run_start: when ``batch == 1`` and the kv slots are ``s, s + 1, ..., s + kv_len - 1``, that
         ``s``: the cache then reads a view instead of gathering.
+    decode: the rows are decoding steps or draft trees (not a prompt chunk): attention must compute
+        every such row the same way whatever the group's size, so that greedy speculative output
+        stays bit-identical to plain output (:func:`workers.kernels.decode_attention.plan`).
     """
 
     start: int
@@ -37,6 +40,7 @@ class AttentionGroup:
     kv_slots: torch.Tensor
     mask: torch.Tensor
     kv_run_start: int | None = None
+    decode: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -68,7 +72,8 @@ class ForwardBatch:
 
     def to(self, device: torch.device | str) -> "ForwardBatch":
         groups = [
-            AttentionGroup(g.start, g.batch, g.seq_len, g.kv_slots.to(device), g.mask.to(device), g.kv_run_start)
+            AttentionGroup(g.start, g.batch, g.seq_len, g.kv_slots.to(device), g.mask.to(device), g.kv_run_start,
+                           g.decode)
             for g in self.groups
         ]
         return ForwardBatch(

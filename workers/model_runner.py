@@ -210,7 +210,7 @@ class ModelRunner:
             run = self._run_start(group[0].seq, group[0].length + width) if len(group) == 1 else None
             if run is not None and kv_len != group[0].length + group[0].num_nodes:
                 run = None
-            groups.append(AttentionGroup(n_rows, len(group), width, kv_slots, mask, run))
+            groups.append(AttentionGroup(n_rows, len(group), width, kv_slots, mask, run, decode=True))
             ids.append(g_ids.reshape(-1))
             pos.append(g_pos.reshape(-1))
             slots.append(g_slots.reshape(-1))

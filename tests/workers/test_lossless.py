@@ -16,6 +16,7 @@ import pytest
 
 from tiny_gguf import weights_variant
 from workers.engine import Engine, GenerationDelta
+from workers.kernels import build
 from workers.redrafter.drafter import DrafterConfig, ReDrafter
 from workers.sampling import SamplingParams
 
@@ -77,6 +78,8 @@ def engines(tiny_model_dirs, trained_drafter_dirs):
         assert (engine.weights is not None) == variant.endswith("@gguf")  # GGUF blocks served by default
         # and then the drafter drafts on Q8_0 blocks (workers/redrafter/quantize.py)
         assert (type(engine.drafter.rnn_u).__name__ == "QuantLinear") == variant.endswith("@gguf")
+        # norms, RoPE + KV write and decode attention run in C wherever the linear kernels do
+        assert (engine.executor.model.model.kernel_isa is not None) == build.available()
         return engine
 
     return make

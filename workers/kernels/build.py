@@ -39,7 +39,8 @@ from workers.models.pull import cache_dir
 log = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
-SOURCES = [HERE / "packed_gemm.c", HERE / "q4_1_gemm.c", HERE / "q8_0_gemm.c"]
+SOURCES = [HERE / "packed_gemm.c", HERE / "q4_1_gemm.c", HERE / "q8_0_gemm.c", HERE / "rms_norm.c",
+           HERE / "decode_attention.c", HERE / "rope_kv.c"]
 HEADERS = [HERE / "simd.h", HERE / "panel_gemm.h"]
 FLAGS = ["-O3", "-mtune=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 ISA_FLAGS = {
@@ -243,6 +244,13 @@ def _load_once(isa: str) -> tuple[ctypes.CDLL | None, KernelUnavailable | None]:
     for name in ("rd_linear_packed", "rd_linear_q4_1", "rd_linear_q8_0"):
         getattr(lib, name).argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3
         getattr(lib, name).restype = None
+    P, L, F = ctypes.c_void_p, ctypes.c_long, ctypes.c_float
+    lib.rd_rms_norm.argtypes = [P] * 4 + [L] * 2 + [F]
+    lib.rd_rms_norm.restype = None
+    lib.rd_decode_attention.argtypes = [P, L, P, P, P, L, P, P] + [L] * 6 + [F]
+    lib.rd_decode_attention.restype = ctypes.c_int
+    lib.rd_rope_write_kv.argtypes = [P] * 7 + [L] * 4
+    lib.rd_rope_write_kv.restype = None
     lib.rd_panel_width.restype = ctypes.c_int
     lib.rd_isa.restype = ctypes.c_char_p
     return lib, None

@@ -131,15 +131,22 @@ def _shared_parameters(module: torch.nn.Module) -> set[int]:
 
 
 def prepare_cpu_inference(module: torch.nn.Module) -> bool:
-    """Make a float32 CPU module's linear layers fast for inference: :func:`pack_linears`, or
-    where the kernels are unavailable the input-major weight layout torch's GEMM prefers
-    (:func:`workers.models.loader.use_input_major_weights`). Returns True when packed. Modules in
-    other dtypes or on other devices are left alone (bfloat16 runs on oneDNN/AMX, which prefers
-    the row-major layout)."""
+    """Make a float32 CPU module fast for inference: :func:`pack_linears`, or where the kernels
+    are unavailable the input-major weight layout torch's GEMM prefers
+    (:func:`workers.models.loader.use_input_major_weights`); and every submodule with a
+    ``use_cpu_kernels(isa)`` method (:class:`~workers.models.llama.LlamaModel`: norms, RoPE,
+    attention in C) is switched to the kernels when they are available. Returns True when packed.
+    Modules in other dtypes or on other devices are left alone (bfloat16 runs on oneDNN/AMX, which
+    prefers the row-major layout)."""
     params = list(module.parameters())
     if not params or params[0].dtype != torch.float32 or params[0].device.type != "cpu":
         return False
-    if pack_linears(module):
+    packed = pack_linears(module) > 0
+    isa = build.load() if build.available() else None
+    for m in module.modules():
+        if callable(getattr(m, "use_cpu_kernels", None)):
+            m.use_cpu_kernels(isa)
+    if packed:
         return True
     from workers.models.loader import use_input_major_weights
 

@@ -24,6 +24,22 @@ typedef __m512 vf;
 #define vadd(a, b) _mm512_add_ps(a, b)
 #define vmul(a, b) _mm512_mul_ps(a, b)
 #define vfma(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define vsub(a, b) _mm512_sub_ps(a, b)
+#define vmax(a, b) _mm512_max_ps(a, b)
+#define vround(a) _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+/* 2^n for integral n in [-126, 127] (float32 exponent bits). */
+static inline vf vpow2i(vf n) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23));
+}
+/* A 16-lane float32 accumulator (one zmm here, two ymm on AVX2) and its sum folded to 8 lanes
+ * (lane i + lane i + 8), so that reductions over 16 lanes round the same on both sets. */
+typedef struct { __m512 v; } v16;
+static inline v16 v16_zero(void) { v16 a = {_mm512_setzero_ps()}; return a; }
+static inline v16 v16_fma(const float *a, const float *b, v16 c) {
+    c.v = _mm512_fmadd_ps(_mm512_loadu_ps(a), _mm512_loadu_ps(b), c.v);
+    return c;
+}
+static inline __m256 v16_fold(v16 a) { return _mm256_add_ps(_mm512_castps512_ps256(a.v), _mm512_extractf32x8_ps(a.v, 1)); }
 /* VL half-precision values at p (IEEE binary16, as GGUF stores block scales) -> float32. */
 static inline vf v_from_f16(const uint16_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
 /* The low (hi = 0) or high (hi = 1) 4 bits of VL bytes at p, as float32 0..15: a 16-entry table
@@ -50,6 +66,20 @@ typedef __m256 vf;
 #define vadd(a, b) _mm256_add_ps(a, b)
 #define vmul(a, b) _mm256_mul_ps(a, b)
 #define vfma(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define vsub(a, b) _mm256_sub_ps(a, b)
+#define vmax(a, b) _mm256_max_ps(a, b)
+#define vround(a) _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+static inline vf vpow2i(vf n) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
+}
+typedef struct { __m256 lo, hi; } v16;
+static inline v16 v16_zero(void) { v16 a = {_mm256_setzero_ps(), _mm256_setzero_ps()}; return a; }
+static inline v16 v16_fma(const float *a, const float *b, v16 c) {
+    c.lo = _mm256_fmadd_ps(_mm256_loadu_ps(a), _mm256_loadu_ps(b), c.lo);
+    c.hi = _mm256_fmadd_ps(_mm256_loadu_ps(a + 8), _mm256_loadu_ps(b + 8), c.hi);
+    return c;
+}
+static inline __m256 v16_fold(v16 a) { return _mm256_add_ps(a.lo, a.hi); }
 static inline vf v_from_f16(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
 static inline vf v_from_nibbles(const uint8_t *p, int hi) {
     __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
@@ -63,5 +93,46 @@ static inline vf v_from_i8(const int8_t *p) {
 #else
 #error "rdserve's kernels need AVX-512, or AVX2 with FMA and F16C; elsewhere torch's GEMM is used"
 #endif
+
+/* acc + p * v[0..15], lane by lane (one rounding each). */
+static inline v16 v16_axpy(float p, const float *v, v16 acc) {
+    v16 pv;
+#if VL == 16
+    pv.v = _mm512_set1_ps(p);
+    acc.v = _mm512_fmadd_ps(pv.v, _mm512_loadu_ps(v), acc.v);
+#else
+    pv.lo = _mm256_set1_ps(p);
+    acc.lo = _mm256_fmadd_ps(pv.lo, _mm256_loadu_ps(v), acc.lo);
+    acc.hi = _mm256_fmadd_ps(pv.lo, _mm256_loadu_ps(v + 8), acc.hi);
+#endif
+    return acc;
+}
+
+/* out[0..15] = acc * s. */
+static inline void v16_store_scaled(float *out, v16 acc, float s) {
+#if VL == 16
+    _mm512_storeu_ps(out, _mm512_mul_ps(acc.v, _mm512_set1_ps(s)));
+#else
+    _mm256_storeu_ps(out, _mm256_mul_ps(acc.lo, _mm256_set1_ps(s)));
+    _mm256_storeu_ps(out + 8, _mm256_mul_ps(acc.hi, _mm256_set1_ps(s)));
+#endif
+}
+
+/* The lane sums of eight v16 (lane i of the result: the sum of a[i]), each in the same order
+ * whatever its position: fold 16 -> 8, then ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)). */
+static inline __m256 v16_sum8(const v16 a[8]) {
+    __m256 h01 = _mm256_hadd_ps(v16_fold(a[0]), v16_fold(a[1])), h23 = _mm256_hadd_ps(v16_fold(a[2]), v16_fold(a[3]));
+    __m256 h45 = _mm256_hadd_ps(v16_fold(a[4]), v16_fold(a[5])), h67 = _mm256_hadd_ps(v16_fold(a[6]), v16_fold(a[7]));
+    __m256 q0 = _mm256_hadd_ps(h01, h23), q1 = _mm256_hadd_ps(h45, h67);
+    return _mm256_add_ps(_mm256_permute2f128_ps(q0, q1, 0x20), _mm256_permute2f128_ps(q0, q1, 0x31));
+}
+
+/* The sum of a v16's lanes, in the same order on both sets: 16 -> 8 (v16_fold) -> 4 -> 2 -> 1. */
+static inline float v16_sum(v16 a) {
+    __m256 s8 = v16_fold(a);
+    __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+    __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+}
 
 #endif

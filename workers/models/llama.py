@@ -5,7 +5,9 @@ sequence with explicit positions and KV-cache slots (:class:`~workers.forward_ba
 so every linear layer runs once per iteration and the same forward serves context chunks, plain
 decoding and ReDrafter tree verification (tree attention mask, depth-based positions); attention
 runs per group of equally long requests. Q/K/V and gate/up projections are fused (as in vLLM and nano-vllm); the loader maps
-Hugging Face parameter names onto them.
+Hugging Face parameter names onto them. On float32 CPU with the C kernels
+(:meth:`LlamaModel.use_cpu_kernels`), the residual adds + RMSNorms, RoPE + KV write and the
+attention of decode steps and draft trees run in C (:mod:`workers.kernels`).
 """
 
 from __future__ import annotations
@@ -13,7 +15,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from workers.forward_batch import ForwardBatch
+from workers.forward_batch import AttentionGroup, ForwardBatch
+from workers.kernels import decode_attention
+from workers.kernels.decode_attention import AttentionPlan
+from workers.kernels.rms_norm import rms_norm
 from workers.kv_cache import KVCache
 from workers.models.config import LlamaConfig
 from workers.models.rope import RotaryEmbedding, apply_rotary
@@ -30,6 +35,11 @@ class RMSNorm(torch.nn.Module):
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
 
+    def add_forward(self, isa: str, residual: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:
+        """C kernel path (float32 CPU): ``residual += delta`` in place, then the norm of ``residual``
+        (:func:`workers.kernels.rms_norm.rms_norm`). residual, delta: ``[N, hidden_size]``."""
+        return rms_norm(isa, residual, self.weight, self.eps, delta)
+
 
 class Attention(torch.nn.Module):
     """Grouped-query attention over the KV cache."""
@@ -45,20 +55,26 @@ class Attention(torch.nn.Module):
         self.o_proj = torch.nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=False)
 
     def forward(self, x, rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache, batch: ForwardBatch,
-                masks: list[torch.Tensor] | None = None):
+                masks: list | None = None, isa: str | None = None):
         """x: ``[N, hidden_size]`` packed tokens -> ``[N, hidden_size]``.
 
-        rope: cos and signed sin ``[N, 1, head_dim]`` (:class:`RotaryEmbedding`). masks: each
-        group's mask as an additive float mask (:func:`additive_mask`), or None to use ``group.mask``.
+        rope: cos and signed sin ``[N, 1, head_dim]`` (:class:`RotaryEmbedding`). masks: per group,
+        an additive float mask (:func:`additive_mask`) for SDPA or an
+        :class:`~workers.kernels.decode_attention.AttentionPlan` for the C kernel; None to use
+        ``group.mask``. isa: the kernel build for RoPE + KV write in C (float32 CPU), or None.
         """
         N = x.shape[0]
         qkv = self.qkv_proj(x)
-        q_size, kv_size = self.n_heads * self.head_dim, self.n_kv * self.head_dim
-        # queries and keys rotated in one call (elementwise, so bit-identical to two calls)
-        qk = apply_rotary(qkv[:, : q_size + kv_size].view(N, self.n_heads + self.n_kv, self.head_dim), *rope)
-        q, k = qk[:, : self.n_heads], qk[:, self.n_heads :]
-        v = qkv[:, q_size + kv_size :].view(N, self.n_kv, self.head_dim)
-        cache.write(self.layer, batch.slot_mapping, k, v)
+        if isa is not None:
+            q = decode_attention.rope_write_kv(isa, qkv, *rope, batch.slot_mapping, cache.k[self.layer],
+                                               cache.v[self.layer], self.n_heads, self.n_kv)
+        else:
+            q_size, kv_size = self.n_heads * self.head_dim, self.n_kv * self.head_dim
+            # queries and keys rotated in one call (elementwise, so bit-identical to two calls)
+            qk = apply_rotary(qkv[:, : q_size + kv_size].view(N, self.n_heads + self.n_kv, self.head_dim), *rope)
+            q, k = qk[:, : self.n_heads], qk[:, self.n_heads :]
+            v = qkv[:, q_size + kv_size :].view(N, self.n_kv, self.head_dim)
+            cache.write(self.layer, batch.slot_mapping, k, v)
         groups = batch.groups
         masks = masks or [g.mask for g in groups]
         if len(groups) == 1:
@@ -68,8 +84,10 @@ class Attention(torch.nn.Module):
                              for g, m in zip(groups, masks)])
         return self.o_proj(out)
 
-    def _attend(self, q, cache: KVCache, group, mask: torch.Tensor) -> torch.Tensor:
+    def _attend(self, q, cache: KVCache, group, mask: torch.Tensor | AttentionPlan) -> torch.Tensor:
         """q: ``[batch * seq_len, n_heads, head_dim]`` of one group -> ``[batch * seq_len, n_heads * head_dim]``."""
+        if isinstance(mask, AttentionPlan):
+            return decode_attention.attend(mask, q, cache.k[self.layer], cache.v[self.layer])
         B, T = group.batch, group.seq_len
         keys, values = cache.read(self.layer, group)
         q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
@@ -103,6 +121,13 @@ class DecoderLayer(torch.nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), rope, cache, meta, masks)
         return x + self.mlp(self.post_attention_layernorm(x))
 
+    def forward_fused(self, isa: str, residual, h, next_norm: RMSNorm, rope, cache, meta, masks):
+        """C kernel path: ``h`` is this layer's normed input, ``residual`` the stream (updated in
+        place); returns ``next_norm`` of the stream after this layer, the residual adds fused into
+        the norms (as vLLM's fused add + RMSNorm)."""
+        h = self.post_attention_layernorm.add_forward(isa, residual, self.self_attn(h, rope, cache, meta, masks, isa))
+        return next_norm.add_forward(isa, residual, self.mlp(h))
+
 
 class LlamaModel(torch.nn.Module):
     """Decoder stack. ``forward`` returns post-final-norm hidden states ``[B, T, hidden_size]``."""
@@ -116,6 +141,17 @@ class LlamaModel(torch.nn.Module):
         self.rotary = RotaryEmbedding(
             cfg.head_size, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
         )
+        self.kernel_isa: str | None = None
+
+    def use_cpu_kernels(self, isa: str | None) -> bool:
+        """Run RMSNorm (fused with the residual adds), RoPE + KV write and decode attention in C
+        (:mod:`workers.kernels`, build ``isa``) whenever the forward is float32 on CPU without
+        autograd; None restores torch's ops. Returns whether they are used (not for head sizes the
+        attention kernel lacks: see :func:`workers.kernels.decode_attention.supports`)."""
+        layer = self.layers[0].self_attn if len(self.layers) else None
+        ok = layer is not None and decode_attention.supports(layer.head_dim, layer.n_heads, layer.n_kv)
+        self.kernel_isa = isa if ok else None
+        return self.kernel_isa is not None
 
     def forward(self, cache: KVCache, batch: ForwardBatch) -> torch.Tensor:
         """Run the decoder on one iteration's packed tokens.
@@ -131,10 +167,36 @@ class LlamaModel(torch.nn.Module):
         """
         x = self.embed_tokens(batch.input_ids)
         rope = self.rotary(batch.positions, x.dtype)
-        masks = [additive_mask(g.mask, x.dtype) for g in batch.groups]  # once per forward, not per layer
-        for layer in self.layers:
-            x = layer(x, rope, cache, batch, masks)
-        return self.norm(x)
+        isa = self.kernel_isa
+        if isa is not None and (x.dtype != torch.float32 or not x.is_cpu or torch.is_grad_enabled()):
+            isa = None
+        masks = [attention_input(g, x.dtype, cache, isa) for g in batch.groups]  # once per forward, not per layer
+        if isa is None:
+            for layer in self.layers:
+                x = layer(x, rope, cache, batch, masks)
+            return self.norm(x)
+        check_slots(batch.slot_mapping, cache)
+        h = self.layers[0].input_layernorm.add_forward(isa, x)
+        next_norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
+        for layer, next_norm in zip(self.layers, next_norms):
+            h = layer.forward_fused(isa, x, h, next_norm, rope, cache, batch, masks)
+        return h
+
+
+def attention_input(group: AttentionGroup, dtype: torch.dtype, cache: KVCache,
+                    isa: str | None) -> torch.Tensor | AttentionPlan:
+    """What attention needs for ``group`` in every layer: the C kernel's plan when ``isa`` is given
+    and the group is short enough (:func:`workers.kernels.decode_attention.plan`), else the
+    additive mask for SDPA."""
+    plan = decode_attention.plan(isa, group, cache.k[0].shape[0]) if isa is not None and cache.k else None
+    return plan if plan is not None else additive_mask(group.mask, dtype)
+
+
+def check_slots(slot_mapping: torch.Tensor, cache: KVCache) -> None:
+    """Raises ValueError when a slot of ``slot_mapping`` ``[N] long`` is outside the cache (the C
+    KV write does not check)."""
+    if slot_mapping.numel() and (int(slot_mapping.min()) < 0 or int(slot_mapping.max()) > cache.trash_slot):
+        raise ValueError(f"slot_mapping outside the KV cache's {cache.trash_slot + 1} slots")
 
 
 def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -39,7 +39,8 @@ def pack(obj: object) -> object:
     if isinstance(obj, torch.Tensor):
         return _pack_tensor(obj)
     if isinstance(obj, ForwardBatch):
-        groups = [(g.start, g.batch, g.seq_len, pack(g.kv_slots), pack(g.mask), g.kv_run_start) for g in obj.groups]
+        groups = [(g.start, g.batch, g.seq_len, pack(g.kv_slots), pack(g.mask), g.kv_run_start, g.decode)
+                  for g in obj.groups]
         return _Batch((pack(obj.input_ids), pack(obj.positions), pack(obj.slot_mapping), groups))
     if isinstance(obj, (tuple, list)):
         return type(obj)(pack(x) for x in obj)
@@ -55,7 +56,8 @@ def unpack(obj: object, device: torch.device) -> object:
     if isinstance(obj, _Batch):
         ids, pos, slots, groups = obj
         groups = [
-            AttentionGroup(s, b, t, unpack(kv, device), unpack(m, device), run) for s, b, t, kv, m, run in groups
+            AttentionGroup(s, b, t, unpack(kv, device), unpack(m, device), run, decode)
+            for s, b, t, kv, m, run, decode in groups
         ]
         return ForwardBatch(unpack(ids, device), unpack(pos, device), unpack(slots, device), groups)
     if isinstance(obj, (tuple, list)):

@@ -3,7 +3,9 @@
 Logits must agree (max abs difference < 1e-4) over ~300 positions, in one prefill and token by
 token through the KV cache: on the tiny test models, a Qwen2-style model (q/k/v biases), a model with
 ``llama3`` RoPE scaling, and (slow) the default SmolLM2-135M-Instruct. Each with torch's linear
-layers and with the packed CPU kernels the engine uses (``workers/kernels``).
+layers, with the packed CPU kernels, and with everything the engine runs in C on float32 CPU
+(``prepare_cpu_inference``: packed linears, fused residual + RMSNorm, RoPE + KV write, decode
+attention; a prefill of ~300 tokens keeps SDPA, decoding uses the attention kernel).
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ import transformers
 
 from workers.forward_batch import contiguous_batch
 from workers.kernels import build
-from workers.kernels.packed_linear import pack_linears
+from workers.kernels.decode_attention import supports
+from workers.kernels.packed_linear import pack_linears, prepare_cpu_inference
 from workers.models.loader import load_model
 
 TOL = 1e-4
@@ -52,6 +55,11 @@ def assert_parity(model_dir: Path, hf_class, num_positions: int = NUM_POSITIONS,
         packed = load_model(model_dir)
         assert pack_linears(packed) > 0
         assert_parity_of(packed, model_dir, hf_class, num_positions, decode)
+        native = load_model(model_dir)
+        prepare_cpu_inference(native)
+        attn = native.model.layers[0].self_attn
+        assert (native.model.kernel_isa is not None) == supports(attn.head_dim, attn.n_heads, attn.n_kv)
+        assert_parity_of(native, model_dir, hf_class, num_positions, decode)
 
 
 def assert_parity_of(ours, model_dir: Path, hf_class, num_positions: int, decode: bool) -> None:

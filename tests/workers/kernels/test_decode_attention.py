@@ -1,0 +1,148 @@
+"""The decode attention and RoPE + KV-write kernels (workers/kernels/decode_attention.py): values
+against float64 SDPA, masks with holes, GQA, draft-tree rows, slots out of order, the row
+independence that keeps speculative output equal to plain output, and both instruction-set builds
+(``isa`` fixture)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from workers.forward_batch import AttentionGroup
+from workers.kernels import build
+from workers.kernels.decode_attention import attend, plan, rope_write_kv
+from workers.models.rope import RotaryEmbedding, apply_rotary
+
+TOL = 2e-6  # absolute, on outputs of size ~1 (values drawn from N(0, 1))
+
+
+def reference(q, k_cache, v_cache, slots, mask):
+    """float64 SDPA over gathered keys: q [B*T, H, D], slots [B, L], mask [B, 1, T, L] -> [B*T, H*D]."""
+    B, _, T, L = mask.shape
+    H, D = q.shape[1:]
+    k, v = k_cache[slots].double().transpose(1, 2), v_cache[slots].double().transpose(1, 2)
+    out = F.scaled_dot_product_attention(q.double().view(B, T, H, D).transpose(1, 2), k, v, attn_mask=mask,
+                                         enable_gqa=True)
+    return out.transpose(1, 2).reshape(B * T, H * D)
+
+
+def random_case(B, T, L, H, HKV, D, seed=0, holes=0.3):
+    rows = max(300, 2 * L)
+    g = torch.Generator().manual_seed(seed)
+    k_cache, v_cache = torch.randn(rows, HKV, D, generator=g), torch.randn(rows, HKV, D, generator=g)
+    slots = torch.stack([torch.randperm(rows, generator=g)[:L] for _ in range(B)])  # out of order, per request
+    mask = torch.rand(B, 1, T, L, generator=g) >= holes
+    mask[..., -1] = True
+    q = torch.randn(B * T, H, D, generator=g)
+    return q, k_cache, v_cache, slots, mask
+
+
+@pytest.mark.parametrize("B,T,L", [(1, 1, 1), (1, 1, 341), (1, 3, 100), (2, 5, 37), (3, 1, 64), (1, 33, 129),
+                                   (2, 64, 70)])
+@pytest.mark.parametrize("H,HKV,D", [(9, 3, 64), (4, 2, 16), (4, 4, 32), (6, 1, 128), (2, 1, 48)])
+def test_matches_sdpa(B, T, L, H, HKV, D, isa):
+    q, kc, vc, slots, mask = random_case(B, T, L, H, HKV, D, seed=B * 100 + T + L + H)
+    got = attend(plan(isa, AttentionGroup(0, B, T, slots, mask), kc.shape[0]), q, kc, vc)
+    assert got.shape == (B * T, H * D) and got.dtype == torch.float32
+    assert (got.double() - reference(q, kc, vc, slots, mask)).abs().max() < TOL
+
+
+def test_contiguous_run_and_strided_queries(isa):
+    """A group on one run of slots is read in place; queries may be a strided view (the rows of a
+    packed q|k|v)."""
+    H, HKV, D, T, L, start = 9, 3, 64, 3, 50, 17
+    _, kc, vc, _, _ = random_case(1, T, L, H, HKV, D)
+    packed = torch.randn(T, H + 2 * HKV, D)
+    q = packed[:, :H]
+    mask = torch.ones(T, L, dtype=torch.bool)
+    mask[:, L - T:] = torch.ones(T, T, dtype=torch.bool).tril()
+    slots = torch.arange(start, start + L)[None]
+    group = AttentionGroup(0, 1, T, slots, mask[None, None], kv_run_start=start)
+    got = attend(plan(isa, group, kc.shape[0]), q, kc, vc)
+    assert (got.double() - reference(q.contiguous(), kc, vc, slots, mask[None, None])).abs().max() < TOL
+
+
+def test_a_row_depends_only_on_its_visible_keys_in_order(isa):
+    """What keeps greedy speculative decoding bit-identical to plain decoding: a row computed alone
+    over exactly its visible keys (a plain step) equals the same row inside a bigger call (a draft
+    tree next to other requests), where masked keys sit between the visible ones at other positions
+    and hold NaN."""
+    H, HKV, D, L = 9, 3, 64, 90
+    q, kc, vc, _, _ = random_case(1, 1, L, H, HKV, D)
+    visible = torch.randperm(250)[:L]
+    alone = attend(plan(isa, AttentionGroup(0, 1, 1, visible[None], torch.ones(1, 1, 1, L, dtype=torch.bool)),
+                        kc.shape[0]), q, kc, vc)
+    poisoned = torch.arange(250, 300)
+    kc[poisoned], vc[poisoned] = float("nan"), float("nan")
+    T, width = 5, L + 50
+    slots = torch.empty(2, width, dtype=torch.long)
+    mask = torch.zeros(2, 1, T, width, dtype=torch.bool)
+    where = torch.sort(torch.randperm(width)[:L]).values  # visible keys keep their order, at other positions
+    others = torch.tensor([i for i in range(width) if i not in set(where.tolist())])
+    slots[1, where], slots[1, others] = visible, poisoned
+    mask[1, 0, 3, where] = True
+    slots[0] = torch.randperm(250)[:width]
+    mask[0] = torch.rand(1, T, width) < 0.5
+    mask[0, :, :, 0] = True
+    mask[1, 0, :3, others[0]] = True  # other rows of the request see a poisoned key; row 3 does not
+    queries = torch.randn(2 * T, H, D)
+    queries[T + 3] = q[0]
+    together = attend(plan(isa, AttentionGroup(0, 2, T, slots, mask), kc.shape[0]), queries, kc, vc)
+    assert torch.equal(together[T + 3], alone[0])
+
+
+def test_row_without_visible_keys_is_zero(isa):
+    q, kc, vc, slots, mask = random_case(1, 2, 20, 4, 2, 16)
+    mask[0, 0, 1] = False
+    got = attend(plan(isa, AttentionGroup(0, 1, 2, slots, mask), kc.shape[0]), q, kc, vc)
+    assert torch.equal(got[1], torch.zeros(4 * 16))
+    assert got[0].abs().sum() > 0
+
+
+def test_both_builds_compute_the_same_bits():
+    if build.supported_isas() != ["avx512", "avx2"] or not build.available():
+        pytest.skip("needs a CPU that runs both builds")
+    q, kc, vc, slots, mask = random_case(2, 7, 333, 9, 3, 64)
+    outs = [attend(plan(isa, AttentionGroup(0, 2, 7, slots, mask), kc.shape[0]), q, kc, vc)
+            for isa in ("avx512", "avx2")]
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_long_prompt_chunks_are_left_to_sdpa_and_bad_slots_are_refused(isa):
+    q, kc, vc, slots, mask = random_case(1, 65, 80, 4, 2, 16)
+    assert plan(isa, AttentionGroup(0, 1, 65, slots, mask), kc.shape[0]) is None
+    # a draft tree of 65 nodes stays on the kernel, as every decode row does: same bits as alone
+    tree = plan(isa, AttentionGroup(0, 1, 65, slots, mask, decode=True), kc.shape[0])
+    assert tree is not None
+    got = attend(tree, q, kc, vc)
+    row = 64
+    alone = attend(plan(isa, AttentionGroup(0, 1, 1, slots, mask[:, :, row:], decode=True), kc.shape[0]),
+                   q[row:], kc, vc)
+    assert torch.equal(got[row:], alone)
+    _, kc, _, slots, mask = random_case(1, 2, 10, 4, 2, 16)
+    slots[0, 3] = kc.shape[0]
+    with pytest.raises(ValueError, match="kv_slots outside"):
+        plan(isa, AttentionGroup(0, 1, 2, slots, mask), kc.shape[0])
+    with pytest.raises(ValueError, match="kv run"):
+        plan(isa, AttentionGroup(0, 1, 2, slots, mask, kv_run_start=kc.shape[0] - 5), kc.shape[0])
+
+
+@pytest.mark.parametrize("H,HKV,D", [(9, 3, 64), (4, 2, 16), (2, 2, 128)])
+def test_rope_and_kv_write_equal_the_torch_path(H, HKV, D, isa):
+    """Bit-identical to apply_rotary + KVCache.write, including a repeated (trash) slot."""
+    N, rows = 6, 40
+    rotary = RotaryEmbedding(D, 512, 10000.0, None)
+    cos, sin = rotary(torch.tensor([0, 5, 300, 7, 7, 511]), torch.float32)
+    qkv = torch.randn(N, (H + 2 * HKV) * D)
+    slots = torch.tensor([3, 9, 0, 39, 39, 17])
+    kc, vc = torch.zeros(rows, HKV, D), torch.zeros(rows, HKV, D)
+    q = rope_write_kv(isa, qkv, cos, sin, slots, kc, vc, H, HKV)
+    qk = apply_rotary(qkv[:, : (H + HKV) * D].view(N, H + HKV, D), cos, sin)
+    want_k, want_v = torch.zeros(rows, HKV, D), torch.zeros(rows, HKV, D)
+    for n in range(N):  # in order: of rows 3 and 4 (both slot 39), the later one wins
+        want_k[slots[n]], want_v[slots[n]] = qk[n, H:], qkv[n, (H + HKV) * D:].view(HKV, D)
+    assert torch.equal(q, qk[:, :H])
+    assert torch.equal(kc, want_k) and torch.equal(vc, want_v)
+    with pytest.raises(ValueError, match="do not fit"):
+        rope_write_kv(isa, qkv, cos, sin, slots, kc, vc, H + 1, HKV)

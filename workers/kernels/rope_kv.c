@@ -1,0 +1,35 @@
+/* Rotary position embedding of the new tokens' queries and keys (RoFormer, arXiv 2104.09864,
+ * rotate-half convention as in Hugging Face Llama), fused with the KV-cache write:
+ *
+ *   q_out[n, h]        = rope(q[n, h])          for the n_heads query heads
+ *   k_cache[slot[n], g] = rope(k[n, g]),  v_cache[slot[n], g] = v[n, g]   for the n_kv heads
+ *   rope(x)[d] = x[d] * cos[n, d] + x[(d + D/2) mod D] * sin_signed[n, d]
+ *
+ * where q, k, v are the column blocks of the fused QKV projection's output row n and sin_signed is
+ * RotaryEmbedding's table (first half negated). Each product and the sum round once, as torch's
+ * ``x * cos + rotate_half(x) * sin`` does (no fused multiply-add: the C11 mode this is compiled in
+ * does not contract), so the results equal workers.models.rope.apply_rotary's bit for bit.
+ */
+#include <stdint.h>
+#include <string.h>
+
+static void rotate(const float *x, const float *c, const float *s, float *y, long D) {
+    long half = D / 2;
+    for (long d = 0; d < half; d++) y[d] = x[d] * c[d] + x[d + half] * s[d];
+    for (long d = half; d < D; d++) y[d] = x[d] * c[d] + x[d - half] * s[d];
+}
+
+/* qkv: [N, (H + 2 HKV) D]; cos, sin_signed: [N, D]; slots: [N] int64; k_cache, v_cache: [slots, HKV, D];
+ * q_out: [N, H, D]. D must be even. A slot written twice (padding rows share the trash slot) keeps
+ * the later row's values. */
+void rd_rope_write_kv(const float *qkv, const float *cos, const float *sin_signed, const int64_t *slots,
+                      float *k_cache, float *v_cache, float *q_out, long N, long H, long HKV, long D) {
+    long width = (H + 2 * HKV) * D;
+    for (long n = 0; n < N; n++) {
+        const float *row = qkv + n * width, *c = cos + n * D, *s = sin_signed + n * D;
+        for (long h = 0; h < H; h++) rotate(row + h * D, c, s, q_out + (n * H + h) * D, D);
+        float *k = k_cache + slots[n] * HKV * D;
+        for (long g = 0; g < HKV; g++) rotate(row + (H + g) * D, c, s, k + g * D, D);
+        memcpy(v_cache + slots[n] * HKV * D, row + (H + HKV) * D, sizeof(float) * HKV * D);
+    }
+}
