@@ -43,7 +43,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default="configs/local.yaml")
     ap.add_argument("--datasets-dir", default=str(Path(__file__).resolve().parents[2] / "shared" / "datasets"))
+    ap.add_argument("--prompts", help="JSONL prompts ('messages' or 'prompt', 'category'), e.g. "
+                    "../shared/datasets/broad/dev.jsonl; default: rdserve's held-out chat/code/math prompts")
     ap.add_argument("--prompts-per-category", type=int, default=6)
+    ap.add_argument("--no-torch-plain", action="store_true", help="skip plain decoding on torch's GEMM (float32)")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--num-beams", type=int)
@@ -60,18 +63,26 @@ def main() -> None:
     e = cfg.engine
     engine = build_engine(cfg)
     engines = {"plain": engine, "spec": engine}
-    if e.dtype == "float32" and e.device == "cpu":
+    if e.dtype == "float32" and e.device == "cpu" and not args.no_torch_plain:
         os.environ["RDSERVE_CPU_KERNELS"] = "0"
         engines["plain_torch"] = build_engine(cfg)
         os.environ.pop("RDSERVE_CPU_KERNELS")
-    by_cat = first_per_category(build_prompts(require_datasets(Path(args.datasets_dir)), "heldout"), args.prompts_per_category)
+    if args.prompts:
+        source = [json.loads(line) for line in Path(args.prompts).read_text().split("\n") if line.strip()]
+    else:
+        source = build_prompts(require_datasets(Path(args.datasets_dir)), "heldout")
+    by_cat = first_per_category(source, args.prompts_per_category)
     prompts = [p for ps in by_cat.values() for p in ps]
-    warm = engine.encode_chat(prompts[0]["messages"])
+
+    def encode(p):
+        return engine.encode_chat(p["messages"]) if "messages" in p else engine.encode_prompt(p["prompt"])
+
+    warm = encode(prompts[0])
     for mode, eng in engines.items():
         run_once(eng, warm, mode.removesuffix("_torch"), 16)
     rows = []
     for p in prompts:
-        ids = engine.encode_chat(p["messages"])
+        ids = encode(p)
         row = {"category": p["category"], "prompt_tokens": len(ids)}
         for mode, eng in engines.items():
             times, last = [], None
