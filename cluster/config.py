@@ -64,6 +64,11 @@ class EngineConfig(_Section):
         "'float32': the dequantized weights; 'auto': gguf where the model came from a GGUF file (the default model) "
         "and the engine runs float32 on CPU with tp_size 1, else float32. With gguf the drafter's float32 weights "
         "are served as Q8_0 blocks")
+    prefill_dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto", description="prompt (prefill) rows of the GGUF-block linears: 'bfloat16' on oneDNN's AMX GEMM "
+        "(2-3x faster prefill, weights and activations rounded to bfloat16; decode steps and draft trees stay "
+        "float32, so spec output still equals plain), 'float32' the float32 kernels; 'auto': bfloat16 where "
+        "weights are gguf and the CPU has AMX bfloat16 tiles. See BENCHMARKS.md, 'Prefill in bfloat16'")
     tp_size: int = Field(1, ge=1, description="tensor-parallel ranks per replica")
     num_beams: int = Field(4, ge=1, le=16, description="ReDrafter beams drafted per step")
     draft_len_per_beam: int = Field(4, ge=1, le=16, description="draft tokens per beam")

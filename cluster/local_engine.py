@@ -32,6 +32,7 @@ def build_engine(cfg: RdserveConfig, tp_gpus: list[str] | None = None):
         tokens_per_block=eng.tokens_per_block, num_kv_blocks=eng.num_kv_blocks,
         kv_cache_fraction=eng.kv_cache_fraction,
         weights=eng.weights,
+        prefill_dtype=eng.prefill_dtype,
         num_threads=num_threads(cfg),
     )
     factory = policy = None

@@ -25,7 +25,8 @@ from workers.block_manager import BlockManager, KVCacheSize, kv_bytes_per_token,
 from workers.engine_metrics import EngineStats, EngineStatsDelta
 from workers.executor import LocalExecutor
 from workers.model_runner import ModelRunner, RequestState
-from workers.models.gguf_weights import resolve_weights, use_gguf_weights
+from workers.kernels.prefill_bf16 import resolve_prefill_dtype
+from workers.models.gguf_weights import resolve_weights, use_bf16_prefill, use_gguf_weights
 from workers.models.loader import load_model
 from workers.models.tokenizer import apply_chat_template, load_tokenizer
 from workers.redrafter.drafter import load_drafter
@@ -83,6 +84,10 @@ class EngineOptions:
         engine runs float32 on CPU, else float32), ``"gguf"`` or ``"float32"``
         (:mod:`workers.models.gguf_weights`). On GGUF blocks the drafter runs on Q8_0 blocks too
         (:mod:`workers.redrafter.quantize`).
+    prefill_dtype: ``"auto"``, ``"float32"`` or ``"bfloat16"``: the prompt rows of GGUF-block linears
+        in bfloat16 on oneDNN's AMX GEMM (:mod:`workers.kernels.prefill_bf16`); decode steps and draft
+        trees stay float32. ``"auto"``: bfloat16 where the model is on GGUF blocks and the CPU has
+        AMX bfloat16 tiles.
     """
 
     device: str = "cpu"
@@ -100,6 +105,7 @@ class EngineOptions:
     num_threads: int | None = None
     tp_size: int = 1
     weights: str = "auto"
+    prefill_dtype: str = "auto"
 
 
 class Engine:
@@ -129,6 +135,7 @@ class Engine:
         model = load_model(model_path, dtype, opts.device)
         gguf = resolve_weights(opts.weights, model_path, opts.dtype, opts.device, opts.tp_size)
         self.weights = use_gguf_weights(model, gguf, strict=opts.weights == "gguf") if gguf else None
+        self.prefill_dtype = self._prefill_path(model, opts.prefill_dtype)
         self.tokenizer = load_tokenizer(model_path)
         cfg = model.config
         self.config = cfg
@@ -161,6 +168,24 @@ class Engine:
         self.eos_token_ids = set(cfg.eos_token_id)
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
+
+    def _prefill_path(self, model, setting: str) -> str:
+        """Resolve ``prefill_dtype`` and give the GGUF linears their bfloat16 weights when it is
+        bfloat16; returns ``"bfloat16"`` or ``"float32"``.
+
+        Raises:
+            ValueError: an unknown setting, or ``"bfloat16"`` without GGUF-block weights.
+        """
+        prefill = resolve_prefill_dtype(setting)
+        if prefill == "bfloat16" and self.weights is None:
+            if setting == "bfloat16":
+                raise ValueError("prefill_dtype 'bfloat16' needs the model on GGUF blocks (weights 'gguf', or "
+                                 "'auto' with a GGUF model); float32 weights prefill in float32")
+            prefill = "float32"
+        if prefill == "bfloat16":
+            n = use_bf16_prefill(model)
+            log.info("prefill: prompt rows of %d GGUF linears in bfloat16 (oneDNN AMX)", n)
+        return prefill
 
     def _size_cache(self, cfg, dtype) -> KVCacheSize:
         opts = self.options

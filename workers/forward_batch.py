@@ -59,16 +59,32 @@ class ForwardBatch:
         (prefix length + tree depth for draft-tree tokens); slot_mapping is the cache slot each
         token's keys/values are written to (padding tokens write to the cache's trash slot).
     groups: attention groups covering ``[0, num_tokens)`` in order.
+    prompt_rows: ``[P] long`` rows that are prompt tokens, when not every row of the leading
+        context chunks is one (a chunk that recomputes a preempted request's generated tokens);
+        None: the rows before the first ``decode`` group (see :attr:`prefill_rows`).
     """
 
     input_ids: torch.Tensor
     positions: torch.Tensor
     slot_mapping: torch.Tensor
     groups: list[AttentionGroup]
+    prompt_rows: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
         return self.input_ids.numel()
+
+    @property
+    def prefill_rows(self) -> int | torch.Tensor:
+        """The rows that are prompt tokens, which linears may compute on a prefill path
+        (``engine.prefill_dtype``): :attr:`prompt_rows` where given, else a count of leading rows
+        (the context chunks, which the runner packs first, before the first ``decode`` group)."""
+        if self.prompt_rows is not None:
+            return self.prompt_rows
+        for g in self.groups:
+            if g.decode:
+                return g.start
+        return self.num_tokens
 
     def to(self, device: torch.device | str) -> "ForwardBatch":
         groups = [
@@ -77,7 +93,8 @@ class ForwardBatch:
             for g in self.groups
         ]
         return ForwardBatch(
-            self.input_ids.to(device), self.positions.to(device), self.slot_mapping.to(device), groups
+            self.input_ids.to(device), self.positions.to(device), self.slot_mapping.to(device), groups,
+            None if self.prompt_rows is None else self.prompt_rows.to(device),
         )
 
 

@@ -158,15 +158,20 @@ class ModelRunner:
 
     def _pack(self, context, rows: list[_GenRow]) -> tuple[ForwardBatch, list[int], list[int], list[int]]:
         """Pack context chunks and generation rows; returns the batch, the rows needing logits, each
-        context chunk's last row and each generation row's first row.
+        context chunk's last row and each generation row's first row. Rows that recompute a
+        preempted request's generated tokens are not prompt rows (``ForwardBatch.prompt_rows``), so
+        a prefill path gives them the same values decoding did.
 
         Generation rows with a draft tree form one attention group padded to the largest tree;
         plain rows form another of width 1, so a plain request next to speculating ones costs one
         token, not a tree's width (``rows`` must list the tree rows first)."""
         ids, pos, slots, groups, logit_rows, last_rows = [], [], [], [], [], []
-        n_rows = 0
+        n_rows, prompt_rows, recompute = 0, [], False
         for seq, start, n in context:
             tokens = (seq.prompt_token_ids + seq.output_token_ids)[start : start + n]
+            n_prompt = min(n, max(0, len(seq.prompt_token_ids) - start))  # the rest recomputes generated tokens
+            prompt_rows.append(torch.arange(n_rows, n_rows + n_prompt))
+            recompute |= n_prompt < n
             kv = self.blocks.slots(seq, 0, start + n)
             ids.append(torch.tensor(tokens))
             pos.append(torch.arange(start, start + n))
@@ -215,7 +220,8 @@ class ModelRunner:
             pos.append(g_pos.reshape(-1))
             slots.append(g_slots.reshape(-1))
             n_rows += len(group) * width
-        batch = ForwardBatch(torch.cat(ids), torch.cat(pos), torch.cat(slots), groups)
+        batch = ForwardBatch(torch.cat(ids), torch.cat(pos), torch.cat(slots), groups,
+                             torch.cat(prompt_rows) if recompute else None)
         return batch, logit_rows, last_rows, row_starts
 
     def _run_start(self, seq: Sequence, upto: int) -> int | None:

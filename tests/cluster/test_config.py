@@ -25,6 +25,7 @@ def test_local_yaml_is_valid_from_any_cwd(monkeypatch, tmp_path):
     assert cfg.engine.max_seq_len == 2048
     assert (cfg.serve.port, cfg.serve.replicas) == (8000, 1)
     assert cfg.engine.weights == "auto"  # the default model's shipped GGUF blocks
+    assert cfg.engine.prefill_dtype == "auto"
 
 
 def test_tp_size_is_checked_against_the_pulled_default_model(tmp_path, monkeypatch):
@@ -71,6 +72,7 @@ def test_relative_paths_resolve_against_the_config_directory(tmp_path):
         ("engine: {device: tpu}", "engine.device"),
         ("engine: {dtype: float8}", "engine.dtype"),
         ("engine: {weights: q4}", "engine.weights: Input should be 'auto', 'gguf' or 'float32'"),
+        ("engine: {prefill_dtype: fp8}", "engine.prefill_dtype: Input should be 'auto', 'float32' or 'bfloat16'"),
         ("engine: {max_seq_len: 8}", "engine.max_seq_len"),
         ("engine: {tp_size: 0}", "engine.tp_size"),
         ("router: {default_mode: fast}", "router.default_mode"),

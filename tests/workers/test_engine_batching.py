@@ -12,6 +12,7 @@ import random
 from collections import Counter
 
 import pytest
+import torch
 
 from workers.engine import Engine
 from workers.sampling import SamplingParams
@@ -90,11 +91,15 @@ def run_mixed(engine: Engine, reqs: list[dict], rng: random.Random, abort_rate: 
     return {rid: outputs[rid] for rid in finished}, aborted
 
 
-@pytest.mark.parametrize("variant", ["tied_gqa2", "untied_mqa", "tied_gqa2@gguf"])
-def test_greedy_output_does_not_depend_on_the_batch(tiny_model_dirs, trained_drafter_dirs, variant):
-    """Also on GGUF Q4_1/Q8_0 blocks (``@gguf``)."""
-    engine = make_engine(tiny_model_dirs, trained_drafter_dirs, variant)
+@pytest.mark.parametrize("variant,prefill", [("tied_gqa2", "float32"), ("untied_mqa", "float32"),
+                                             ("tied_gqa2@gguf", "float32"), ("tied_gqa2@gguf", "bfloat16")])
+def test_greedy_output_does_not_depend_on_the_batch(tiny_model_dirs, trained_drafter_dirs, variant, prefill):
+    """Also on GGUF Q4_1/Q8_0 blocks (``@gguf``), with prompt rows in float32 or on the bfloat16
+    prefill path (then a prompt's values must not depend on its chunking either)."""
+    options = {"prefill_dtype": prefill} if variant.endswith("@gguf") else {}
+    engine = make_engine(tiny_model_dirs, trained_drafter_dirs, variant, **options)
     assert (engine.weights is not None) == variant.endswith("@gguf")
+    assert engine.prefill_dtype == prefill
     rng = random.Random(variant)
     reqs = random_requests(rng, 24, len(engine.tokenizer))
     want = {r["id"]: alone(engine, r) for r in reqs}
@@ -109,10 +114,17 @@ def test_greedy_output_does_not_depend_on_the_batch(tiny_model_dirs, trained_dra
     assert log.max_tokens_seen <= engine.options.max_num_tokens
 
 
-def test_preemption_and_aborts_keep_outputs_and_free_every_block(tiny_model_dirs, trained_drafter_dirs):
+@pytest.mark.parametrize("variant,prefill", [("tied_gqa2", "float32"), ("tied_gqa2@gguf", "bfloat16")])
+def test_preemption_and_aborts_keep_outputs_and_free_every_block(tiny_model_dirs, trained_drafter_dirs, variant,
+                                                                 prefill):
     """Hundreds of requests through a KV cache of 48 blocks x 4 tokens: preemption (recompute) is
-    frequent, some requests are aborted; finished requests still match their solo output."""
-    engine = make_engine(tiny_model_dirs, trained_drafter_dirs, num_kv_blocks=48, max_batch_size=8)
+    frequent, some requests are aborted; finished requests still match their solo output. On the
+    bfloat16 prefill path the recomputed generated tokens stay on the float32 kernels (only prompt
+    rows take bfloat16), so recompute reproduces their values."""
+    options = {"prefill_dtype": prefill} if variant.endswith("@gguf") else {}
+    engine = make_engine(tiny_model_dirs, trained_drafter_dirs, variant, num_kv_blocks=48, max_batch_size=8,
+                         **options)
+    assert engine.prefill_dtype == prefill
     rng = random.Random(5)
     reqs = random_requests(rng, 240, len(engine.tokenizer))
     for r in reqs:
@@ -148,3 +160,51 @@ def test_sampled_output_does_not_depend_on_the_batch(tiny_model_dirs, trained_dr
         for d in engine.step():
             got[d.request_id] += d.token_ids
     assert got == want
+
+
+def test_bf16_prefill_recomputes_generated_tokens_as_decoding_did(tiny_model_dirs, trained_drafter_dirs):
+    """A recompute chunk (prompt + generated tokens of a preempted request) gives the generated
+    tokens bit for bit the hidden states decoding gave them: only prompt rows take bfloat16."""
+    from dataclasses import replace
+
+    from workers.forward_batch import contiguous_batch
+
+    engine = make_engine(tiny_model_dirs, trained_drafter_dirs, "tied_gqa2@gguf", prefill_dtype="bfloat16")
+    assert engine.prefill_dtype == "bfloat16"
+    ex = engine.executor
+    prompt = torch.tensor([5, 9, 14, 3, 22, 7, 31, 8, 12, 40, 6, 17])
+    generated = torch.tensor([11, 4, 29, 13])
+    P = prompt.numel()
+    ex.forward(contiguous_batch(prompt, 0))  # prefill (every row a prompt row)
+    decoded = []
+    for i, tok in enumerate(generated.tolist()):  # plain decode steps
+        b = contiguous_batch(torch.tensor([tok]), P + i)
+        decoded.append(ex.forward(replace(b, groups=[replace(b.groups[0], decode=True)])))
+    decoded = torch.cat(decoded)
+    ids = torch.cat([prompt, generated])
+    marked = replace(contiguous_batch(ids, 0), prompt_rows=torch.arange(P))
+    assert torch.equal(ex.forward(marked)[P:], decoded)
+    unmarked = ex.forward(contiguous_batch(ids, 0))  # every row through bfloat16: not what decoding computed
+    assert not torch.equal(unmarked[P:], decoded)
+
+
+def test_recompute_chunks_mark_only_prompt_tokens_as_prompt_rows(tiny_model_dirs, trained_drafter_dirs):
+    from workers.sequence import Sequence
+
+    engine = make_engine(tiny_model_dirs, trained_drafter_dirs, "tied_gqa2@gguf", prefill_dtype="bfloat16")
+    fresh = Sequence("fresh", [3, 4, 5, 6, 7], max_tokens=4)
+    preempted = Sequence("preempted", [8, 9, 10], max_tokens=8, output_token_ids=[11, 12, 13, 14])
+    for seq in (fresh, preempted):
+        engine.blocks.allocate(seq, len(seq.prompt_token_ids) + len(seq.output_token_ids) + 1)
+    batch, *_ = engine.runner._pack([(fresh, 0, 5), (preempted, 0, 7)], [])
+    assert batch.prompt_rows.tolist() == [0, 1, 2, 3, 4, 5, 6, 7]  # not rows 8-11: generated tokens
+    batch, *_ = engine.runner._pack([(preempted, 2, 3), (fresh, 0, 5)], [])
+    assert batch.prompt_rows.tolist() == [0, 3, 4, 5, 6, 7]  # a chunk from position 2: one prompt token
+    batch, *_ = engine.runner._pack([(fresh, 0, 5)], [])
+    assert batch.prompt_rows is None and batch.prefill_rows == 5  # no recompute: the leading rows
+
+
+def test_bf16_prefill_needs_gguf_weights(tiny_model_dirs, trained_drafter_dirs):
+    with pytest.raises(ValueError, match="prefill_dtype 'bfloat16' needs the model on GGUF blocks"):
+        make_engine(tiny_model_dirs, trained_drafter_dirs, "tied_gqa2", prefill_dtype="bfloat16")
+    assert make_engine(tiny_model_dirs, trained_drafter_dirs, "tied_gqa2", prefill_dtype="auto").prefill_dtype == "float32"

@@ -7,7 +7,8 @@ weights itself; more rows share one dequantized L1 tile per k-block: trees, batc
 output exactly as the float32 packed kernel does, and the GGUF weights dequantize exactly to
 float32, so a :class:`QuantLinear` returns bit for bit what :class:`~workers.kernels.packed_linear.
 PackedLinear` returns on the dequantized weights, and every row's result is independent of the
-other rows. Activations stay float32.
+other rows. Activations stay float32, except the prompt rows of a prefill on the bfloat16 path
+(:meth:`QuantLinear.enable_bf16_prefill`, :mod:`workers.kernels.prefill_bf16`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 
 from workers.kernels import build
 from workers.kernels.gguf_blocks import FORMATS, dequantize_panels, panels_from_blocks
+from workers.kernels.prefill_bf16 import prefill_linear
 
 _ENTRY = {"Q4_1": "rd_linear_q4_1", "Q8_0": "rd_linear_q8_0"}
 
@@ -54,6 +56,12 @@ class QuantLinear(torch.nn.Module):
         self.bias = None if bias is None else bias.detach().to(torch.float32).contiguous()
         self._weight = tied_weight
         self.isa = build.load()  # fail here, not in the first forward
+        self.prefill_weight: torch.Tensor | None = None  # bfloat16 [N, K] once enable_bf16_prefill()
+
+    def enable_bf16_prefill(self) -> None:
+        """Keep a bfloat16 copy of the dequantized weight (2 bytes per weight) for prompt rows
+        (``forward(x, prefill_rows)``; :mod:`workers.kernels.prefill_bf16`)."""
+        self.prefill_weight = self.weight.detach().to(torch.bfloat16).contiguous()
 
     @property
     def weight(self) -> torch.Tensor:
@@ -62,7 +70,12 @@ class QuantLinear(torch.nn.Module):
             return self._weight
         return dequantize_panels(self.fmt, self.panels, self.out_features)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, prefill_rows: int | torch.Tensor = 0) -> torch.Tensor:
+        """x: float32 ``[M, K]`` (or ``[..., K]``) -> ``[M, N]``. ``prefill_rows``: the prompt rows, a
+        count of leading rows or ``[P] long`` row indices; with :meth:`enable_bf16_prefill` they take
+        the bfloat16 GEMM, the others (decode steps, draft trees) these float32 kernels."""
+        if self.prefill_weight is not None and (isinstance(prefill_rows, torch.Tensor) or prefill_rows):
+            return self._split_forward(x, prefill_rows)
         # called ~120 times per decoding step: cheap checks, no reshape/view for 2-D contiguous input
         if x.dtype != torch.float32 or not x.is_cpu:
             raise ValueError(f"QuantLinear takes float32 CPU input, got {x.dtype} on {x.device}")
@@ -71,6 +84,19 @@ class QuantLinear(torch.nn.Module):
             raise RuntimeError("QuantLinear blocks were moved or cast (.to/.half/...); they are CPU-only")
         return build.run_linear(build.kernel(self.isa, _ENTRY[self.fmt]), x, panels, self.bias,
                                 self.in_features, self.out_features)
+
+    def _split_forward(self, x: torch.Tensor, rows: int | torch.Tensor) -> torch.Tensor:
+        if not isinstance(rows, torch.Tensor):
+            top = prefill_linear(x[:rows], self.prefill_weight, self.bias)
+            return top if rows >= x.shape[0] else torch.cat([top, self.forward(x[rows:])])
+        out = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
+        if rows.numel():
+            out[rows] = prefill_linear(x[rows], self.prefill_weight, self.bias)
+        rest = torch.ones(x.shape[0], dtype=torch.bool)
+        rest[rows] = False
+        if bool(rest.any()):
+            out[rest] = self.forward(x[rest].contiguous())
+        return out
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         """``state_dict()`` holds the dequantized ``weight`` (and ``bias``), as an ``nn.Linear``'s."""

@@ -190,3 +190,17 @@ def use_gguf_weights(model: torch.nn.Module, path: str | Path, strict: bool = Tr
         model.lm_head = head
     log.info("%s", report.summary())
     return report
+
+
+def use_bf16_prefill(model: torch.nn.Module) -> int:
+    """Give every GGUF-block linear of the decoder layers a bfloat16 weight for prompt rows
+    (:meth:`~workers.kernels.quant_linear.QuantLinear.enable_bf16_prefill`); the LM head, which
+    prefill runs on one row per prompt, keeps its float32 kernel. Returns how many were given one."""
+    from workers.kernels.quant_linear import QuantLinear
+
+    n = 0
+    for name, module in model.named_modules():
+        if isinstance(module, QuantLinear) and not name.endswith("lm_head"):
+            module.enable_bf16_prefill()
+            n += 1
+    return n

@@ -64,7 +64,8 @@ class Attention(torch.nn.Module):
         ``group.mask``. isa: the kernel build for RoPE + KV write in C (float32 CPU), or None.
         """
         N = x.shape[0]
-        qkv = self.qkv_proj(x)
+        prompt_rows = batch.prefill_rows
+        qkv = project(self.qkv_proj, x, prompt_rows)
         if isa is not None:
             q = decode_attention.rope_write_kv(isa, qkv, *rope, batch.slot_mapping, cache.k[self.layer],
                                                cache.v[self.layer], self.n_heads, self.n_kv)
@@ -82,7 +83,7 @@ class Attention(torch.nn.Module):
         else:
             out = torch.cat([self._attend(q[g.start : g.start + g.num_tokens], cache, g, m)
                              for g, m in zip(groups, masks)])
-        return self.o_proj(out)
+        return project(self.o_proj, out, prompt_rows)
 
     def _attend(self, q, cache: KVCache, group, mask: torch.Tensor | AttentionPlan) -> torch.Tensor:
         """q: ``[batch * seq_len, n_heads, head_dim]`` of one group -> ``[batch * seq_len, n_heads * head_dim]``."""
@@ -104,9 +105,20 @@ class MLP(torch.nn.Module):
         self.gate_up_proj = torch.nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = torch.nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x):
-        gate_up = self.gate_up_proj(x)
-        return self.down_proj(F.silu(gate_up[..., : self.inter]) * gate_up[..., self.inter :])
+    def forward(self, x, prompt_rows: int | torch.Tensor = 0):
+        """x: ``[N, hidden_size]``; prompt_rows: the rows that are prompt tokens (:func:`project`)."""
+        gate_up = project(self.gate_up_proj, x, prompt_rows)
+        return project(self.down_proj, F.silu(gate_up[..., : self.inter]) * gate_up[..., self.inter :], prompt_rows)
+
+
+def project(linear: torch.nn.Module, x: torch.Tensor, prompt_rows: int | torch.Tensor) -> torch.Tensor:
+    """``linear(x)``; a GGUF-block linear with a prefill weight (``engine.prefill_dtype``:
+    :meth:`~workers.kernels.quant_linear.QuantLinear.enable_bf16_prefill`) is told which rows are
+    prompt tokens (:attr:`~workers.forward_batch.ForwardBatch.prefill_rows`)."""
+    if getattr(linear, "prefill_weight", None) is not None and (
+            isinstance(prompt_rows, torch.Tensor) or prompt_rows):
+        return linear(x, prompt_rows)
+    return linear(x)
 
 
 class DecoderLayer(torch.nn.Module):
@@ -119,14 +131,14 @@ class DecoderLayer(torch.nn.Module):
 
     def forward(self, x, rope, cache, meta, masks=None):
         x = x + self.self_attn(self.input_layernorm(x), rope, cache, meta, masks)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x), meta.prefill_rows)
 
     def forward_fused(self, isa: str, residual, h, next_norm: RMSNorm, rope, cache, meta, masks):
         """C kernel path: ``h`` is this layer's normed input, ``residual`` the stream (updated in
         place); returns ``next_norm`` of the stream after this layer, the residual adds fused into
         the norms (as vLLM's fused add + RMSNorm)."""
         h = self.post_attention_layernorm.add_forward(isa, residual, self.self_attn(h, rope, cache, meta, masks, isa))
-        return next_norm.add_forward(isa, residual, self.mlp(h))
+        return next_norm.add_forward(isa, residual, self.mlp(h, meta.prefill_rows))
 
 
 class LlamaModel(torch.nn.Module):
