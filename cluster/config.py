@@ -256,6 +256,9 @@ class RdserveConfig(_Section):
                                  "(`rdserve calibrate --out FILE`)")
             if self.drafter.path is None:
                 raise ValueError("engine.spec_schedule: 'auto' needs drafter.path (nothing to speculate with)")
+        if self.engine.prefill_dtype == "bfloat16" and (self.engine.weights == "float32" or self.engine.tp_size > 1):
+            raise ValueError("engine.prefill_dtype: 'bfloat16' is for GGUF-block weights (engine.weights gguf/auto, "
+                             "tp_size 1); float32 weights prefill in float32")
         if self.serve.pools is not None:
             if self.serve.autoscaling is not None:
                 raise ValueError("serve.autoscaling: not used with serve.pools; set serve.pools.spec.autoscaling "

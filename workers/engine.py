@@ -127,6 +127,7 @@ class Engine:
         opts = replace(options or EngineOptions(), **overrides)
         if opts.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {opts.dtype!r}")
+        resolve_prefill_dtype(opts.prefill_dtype)  # a bad value fails before the model loads
         if opts.num_threads:
             torch.set_num_threads(opts.num_threads)
         self.options = opts

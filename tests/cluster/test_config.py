@@ -73,6 +73,7 @@ def test_relative_paths_resolve_against_the_config_directory(tmp_path):
         ("engine: {dtype: float8}", "engine.dtype"),
         ("engine: {weights: q4}", "engine.weights: Input should be 'auto', 'gguf' or 'float32'"),
         ("engine: {prefill_dtype: fp8}", "engine.prefill_dtype: Input should be 'auto', 'float32' or 'bfloat16'"),
+        ("engine: {prefill_dtype: bfloat16, weights: float32}", "engine.prefill_dtype: 'bfloat16' is for GGUF-block"),
         ("engine: {max_seq_len: 8}", "engine.max_seq_len"),
         ("engine: {tp_size: 0}", "engine.tp_size"),
         ("router: {default_mode: fast}", "router.default_mode"),

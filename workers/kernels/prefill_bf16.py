@@ -11,7 +11,10 @@ Row independence: oneDNN picks its blocking, and so the order in which a row's p
 from the GEMM's row count. :func:`prefill_linear` always calls it on blocks of exactly
 :data:`BLOCK_ROWS` rows (the last one zero-padded), so every row's result is independent of the
 chunk the scheduler put it in and of its neighbours: a prompt gives the same KV cache however it is
-chunked or batched.
+chunked or batched. The partition also changes with the thread count (measured: 1-4 threads give
+the same bits on every shape here, 8 and 16 do not), so these GEMMs run on at most
+:data:`MAX_THREADS` threads: an engine's output does not depend on how many threads it has, as
+with the float32 kernels.
 
 Precision: weights (the dequantized GGUF values) and activations are rounded to bfloat16 (8-bit
 mantissa) and the products summed in float32 by the AMX tiles; outputs are rounded to bfloat16 and
@@ -27,6 +30,7 @@ import functools
 import torch
 
 BLOCK_ROWS = 64
+MAX_THREADS = 4
 PREFILL_DTYPES = ("auto", "float32", "bfloat16")
 
 
@@ -67,7 +71,8 @@ def prefill_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         bias: float32 ``[N]`` or None.
 
     Returns:
-        float32 ``[M, N]``; row i depends only on ``x[i]`` (see the module docstring).
+        float32 ``[M, N]``; row i depends only on ``x[i]``, whatever the chunk, its neighbours or the
+        thread count (see the module docstring).
     """
     m = x.shape[0]
     xb = x.to(torch.bfloat16)
@@ -75,8 +80,15 @@ def prefill_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     if pad:
         xb = torch.nn.functional.pad(xb, (0, 0, 0, pad))
     out = torch.empty(m + pad, weight.shape[0], dtype=torch.bfloat16)
-    for i in range(0, m + pad, BLOCK_ROWS):
-        torch.mm(xb[i : i + BLOCK_ROWS], weight.t(), out=out[i : i + BLOCK_ROWS])
+    threads = torch.get_num_threads()
+    if threads > MAX_THREADS:
+        torch.set_num_threads(MAX_THREADS)
+    try:
+        for i in range(0, m + pad, BLOCK_ROWS):
+            torch.mm(xb[i : i + BLOCK_ROWS], weight.t(), out=out[i : i + BLOCK_ROWS])
+    finally:
+        if threads > MAX_THREADS:
+            torch.set_num_threads(threads)
     y = out[:m].float()
     if bias is not None:
         y += bias

@@ -41,7 +41,7 @@ def pack(obj: object) -> object:
     if isinstance(obj, ForwardBatch):
         groups = [(g.start, g.batch, g.seq_len, pack(g.kv_slots), pack(g.mask), g.kv_run_start, g.decode)
                   for g in obj.groups]
-        return _Batch((pack(obj.input_ids), pack(obj.positions), pack(obj.slot_mapping), groups))
+        return _Batch((pack(obj.input_ids), pack(obj.positions), pack(obj.slot_mapping), groups, pack(obj.prompt_rows)))
     if isinstance(obj, (tuple, list)):
         return type(obj)(pack(x) for x in obj)
     if isinstance(obj, dict):
@@ -54,12 +54,13 @@ def unpack(obj: object, device: torch.device) -> object:
     if isinstance(obj, _Tensor):
         return _unpack_tensor(obj, device)
     if isinstance(obj, _Batch):
-        ids, pos, slots, groups = obj
+        ids, pos, slots, groups, prompt_rows = obj
         groups = [
             AttentionGroup(s, b, t, unpack(kv, device), unpack(m, device), run, decode)
             for s, b, t, kv, m, run, decode in groups
         ]
-        return ForwardBatch(unpack(ids, device), unpack(pos, device), unpack(slots, device), groups)
+        return ForwardBatch(unpack(ids, device), unpack(pos, device), unpack(slots, device), groups,
+                            unpack(prompt_rows, device))
     if isinstance(obj, (tuple, list)):
         return type(obj)(unpack(x, device) for x in obj)
     if isinstance(obj, dict):

@@ -82,3 +82,22 @@ def test_resolve_prefill_dtype():
     assert resolve_prefill_dtype("bfloat16") == "bfloat16"
     with pytest.raises(ValueError, match="prefill_dtype must be one of auto, float32, bfloat16"):
         resolve_prefill_dtype("fp8")
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_same_bits_whatever_the_thread_count(n, k):
+    """Engines with different thread counts (cores / replicas) give the same prompt values, as the
+    float32 kernels do: oneDNN's partition changes from 8 threads up, so prefill caps its threads."""
+    torch.manual_seed(k - n)
+    w = torch.randn(n, k).to(torch.bfloat16)
+    x = torch.randn(150, k)
+    before = torch.get_num_threads()
+    try:
+        results = []
+        for threads in (1, 2, 3, 4, 8, 16):
+            torch.set_num_threads(threads)
+            results.append(prefill_linear(x, w))
+            assert torch.get_num_threads() == threads  # restored
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(r, results[0]) for r in results[1:])
