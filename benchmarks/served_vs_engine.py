@@ -28,6 +28,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -87,31 +88,65 @@ def engine_ttft(engine: Engine, runs: int) -> list[float]:
 
 
 def start_server(config: str, base_url: str, timeout_s: float = 300.0) -> subprocess.Popen:
-    """``rdserve up`` in a new session (so its whole process group can be stopped); waits for /health."""
+    """``rdserve up`` in a new session (so its whole process group can be stopped); waits for /health.
+    While a port is still held by the Ray processes of a server just stopped (they can linger a few
+    seconds), it retries for up to a minute.
+
+    Raises:
+        RuntimeError: ``rdserve up`` exited (the end of its output is in the message).
+        TimeoutError: not healthy within ``timeout_s``.
+    """
     rdserve = Path(sys.executable).with_name("rdserve")
-    proc = subprocess.Popen([str(rdserve), "up", "--config", config], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"rdserve up exited with {proc.returncode} (is the port in use?)")
-        try:
-            if httpx.get(f"{base_url}/health", timeout=2.0).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(1.0)
-    stop_server(proc)
-    raise TimeoutError(f"{base_url}/health not ready after {timeout_s:.0f} s")
+    ports_deadline = time.monotonic() + 60.0
+    while True:
+        log = tempfile.TemporaryFile()
+        proc = subprocess.Popen([str(rdserve), "up", "--config", config], stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                break
+            try:
+                if httpx.get(f"{base_url}/health", timeout=2.0).status_code == 200:
+                    return proc
+            except httpx.HTTPError:
+                pass
+            time.sleep(1.0)
+        else:
+            stop_server(proc)
+            raise TimeoutError(f"{base_url}/health not ready after {timeout_s:.0f} s")
+        log.seek(0)
+        tail = log.read().decode(errors="replace")[-2000:]
+        if proc.returncode == 2 and "in use" in tail and time.monotonic() < ports_deadline:
+            time.sleep(2.0)
+            continue
+        raise RuntimeError(f"rdserve up exited with {proc.returncode}:\n{tail}")
 
 
-def stop_server(proc: subprocess.Popen) -> None:
-    os.killpg(proc.pid, signal.SIGINT)
+def stop_server(proc: subprocess.Popen, linger_s: float = 30.0) -> None:
+    """SIGINT to ``rdserve up``'s process group, then wait until every process of the group is gone
+    (Ray's raylet, GCS and workers can outlive ``rdserve up`` by seconds, and a next ``rdserve up``
+    would meet them); SIGKILL what is left after ``linger_s``."""
+    try:
+        os.killpg(proc.pid, signal.SIGINT)
+    except ProcessLookupError:
+        return
     try:
         proc.wait(timeout=60)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+    deadline = time.monotonic() + linger_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.5)
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def served_run(base_url: str, model: str, rows: list[PromptRow], num_requests: int, concurrency: int,
