@@ -166,11 +166,11 @@ class ModelRunner:
         plain rows form another of width 1, so a plain request next to speculating ones costs one
         token, not a tree's width (``rows`` must list the tree rows first)."""
         ids, pos, slots, groups, logit_rows, last_rows = [], [], [], [], [], []
-        n_rows, prompt_rows, recompute = 0, [], False
+        n_rows, prompt_spans, recompute = 0, [], False
         for seq, start, n in context:
             tokens = (seq.prompt_token_ids + seq.output_token_ids)[start : start + n]
             n_prompt = min(n, max(0, len(seq.prompt_token_ids) - start))  # the rest recomputes generated tokens
-            prompt_rows.append(torch.arange(n_rows, n_rows + n_prompt))
+            prompt_spans.append((n_rows, n_rows + n_prompt))
             recompute |= n_prompt < n
             kv = self.blocks.slots(seq, 0, start + n)
             ids.append(torch.tensor(tokens))
@@ -221,7 +221,7 @@ class ModelRunner:
             slots.append(g_slots.reshape(-1))
             n_rows += len(group) * width
         batch = ForwardBatch(torch.cat(ids), torch.cat(pos), torch.cat(slots), groups,
-                             torch.cat(prompt_rows) if recompute else None)
+                             torch.cat([torch.arange(a, b) for a, b in prompt_spans]) if recompute else None)
         return batch, logit_rows, last_rows, row_starts
 
     def _run_start(self, seq: Sequence, upto: int) -> int | None:

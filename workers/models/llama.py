@@ -115,8 +115,7 @@ def project(linear: torch.nn.Module, x: torch.Tensor, prompt_rows: int | torch.T
     """``linear(x)``; a GGUF-block linear with a prefill weight (``engine.prefill_dtype``:
     :meth:`~workers.kernels.quant_linear.QuantLinear.enable_bf16_prefill`) is told which rows are
     prompt tokens (:attr:`~workers.forward_batch.ForwardBatch.prefill_rows`)."""
-    if getattr(linear, "prefill_weight", None) is not None and (
-            isinstance(prompt_rows, torch.Tensor) or prompt_rows):
+    if (isinstance(prompt_rows, torch.Tensor) or prompt_rows) and getattr(linear, "prefill_weight", None) is not None:
         return linear(x, prompt_rows)
     return linear(x)
 

@@ -51,14 +51,10 @@ def _quant_linear(n: int, k: int, bias: bool = True) -> QuantLinear:
     return QuantLinear("Q4_1", quantize(w, GGMLQuantizationType.Q4_1), k, torch.randn(n) if bias else None)
 
 
-@pytest.fixture
-def kernels():
-    if not build.available():
-        pytest.skip("CPU kernels unavailable here (no C compiler or no AVX2, or RDSERVE_CPU_KERNELS=0)")
-
-
+@pytest.mark.skipif(not build.available(), reason="CPU kernels unavailable here (no C compiler or no AVX2, "
+                    "or RDSERVE_CPU_KERNELS=0)")
 @pytest.mark.parametrize("rows", ["leading", "indices"])
-def test_quant_linear_sends_only_prompt_rows_to_bfloat16(kernels, rows):
+def test_quant_linear_sends_only_prompt_rows_to_bfloat16(rows):
     lin = _quant_linear(160, 576)
     x = torch.randn(40, 576)
     plain = lin(x)  # float32 kernel, every row
