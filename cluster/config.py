@@ -70,6 +70,13 @@ class EngineConfig(_Section):
         "float32, so spec output still equals plain), 'float32' the float32 kernels; 'auto': bfloat16 where "
         "weights are gguf and the CPU has AMX bfloat16 tiles. See BENCHMARKS.md, 'Prefill in bfloat16'")
     tp_size: int = Field(1, ge=1, description="tensor-parallel ranks per replica")
+    prompt_lookup_num_tokens: int = Field(
+        0, ge=0, le=16, description="a prompt-lookup beam of this many tokens joins every draft tree: it copies "
+        "what followed the latest earlier occurrence of the context's last n tokens (n from prompt_lookup_max down "
+        "to prompt_lookup_min), so text the answer repeats from the prompt or from itself is drafted too; "
+        "verification is unchanged (lossless). 0: ReDrafter beams only. torch backend")
+    prompt_lookup_min: int = Field(2, ge=1, le=8, description="shortest n-gram matched by the prompt-lookup beam")
+    prompt_lookup_max: int = Field(3, ge=1, le=8, description="longest n-gram matched by the prompt-lookup beam")
     num_beams: int = Field(4, ge=1, le=16, description="ReDrafter beams drafted per step")
     draft_len_per_beam: int = Field(4, ge=1, le=16, description="draft tokens per beam")
     max_seq_len: int = Field(2048, ge=16, description="context length: prompt + completion tokens")
@@ -259,6 +266,13 @@ class RdserveConfig(_Section):
         if self.engine.prefill_dtype == "bfloat16" and (self.engine.weights == "float32" or self.engine.tp_size > 1):
             raise ValueError("engine.prefill_dtype: 'bfloat16' is for GGUF-block weights (engine.weights gguf/auto, "
                              "tp_size 1); float32 weights prefill in float32")
+        eng = self.engine
+        if eng.prompt_lookup_min > eng.prompt_lookup_max:
+            raise ValueError(f"engine.prompt_lookup_min: {eng.prompt_lookup_min} is above engine.prompt_lookup_max "
+                             f"{eng.prompt_lookup_max}")
+        if eng.prompt_lookup_num_tokens and eng.backend != "torch":
+            raise ValueError("engine.prompt_lookup_num_tokens: the prompt-lookup beam needs backend torch "
+                             "(TensorRT-LLM's ReDrafter engine drafts its compiled beams only); set it to 0")
         if self.serve.pools is not None:
             if self.serve.autoscaling is not None:
                 raise ValueError("serve.autoscaling: not used with serve.pools; set serve.pools.spec.autoscaling "
@@ -359,11 +373,13 @@ def check_startable(cfg: RdserveConfig, cuda_available: bool | None = None, cali
             costs = StepCosts.load(eng.spec_calibration)
         except ValueError as err:
             raise ConfigError(f"engine.spec_calibration: {err}") from None
-        too_big = [s for s in costs.shapes if 1 + s[0] * s[1] > eng.max_num_tokens or s[0] > 16 or s[1] > 16]
+        lookup = eng.prompt_lookup_num_tokens
+        too_big = [s for s in costs.shapes if 1 + s[0] * s[1] + lookup > eng.max_num_tokens or s[0] > 16 or s[1] > 16]
         if too_big:
             raise ConfigError(f"engine.spec_calibration: shape {too_big[0][0]}x{too_big[0][1]} in "
                               f"{eng.spec_calibration} is larger than the engine allows (num_beams and "
-                              f"draft_len_per_beam at most 16, a tree within engine.max_num_tokens {eng.max_num_tokens})")
+                              f"draft_len_per_beam at most 16, a tree with its prompt-lookup beam within engine.max_num_tokens "
+                              f"{eng.max_num_tokens})")
         shape = (eng.num_beams, eng.draft_len_per_beam)
         if cfg.serve.pools is not None and shape not in costs.spec_s:
             raise ConfigError(f"engine.spec_calibration: serve.pools drafts {shape[0]}x{shape[1]} "

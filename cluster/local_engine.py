@@ -33,6 +33,8 @@ def build_engine(cfg: RdserveConfig, tp_gpus: list[str] | None = None):
         kv_cache_fraction=eng.kv_cache_fraction,
         weights=eng.weights,
         prefill_dtype=eng.prefill_dtype,
+        prompt_lookup_num_tokens=eng.prompt_lookup_num_tokens, prompt_lookup_min=eng.prompt_lookup_min,
+        prompt_lookup_max=eng.prompt_lookup_max,
         num_threads=num_threads(cfg),
     )
     factory = policy = None

@@ -39,7 +39,7 @@ def measure_step_s(engine: Engine, batch_size: int, shape: Shape | None, *, cont
     engine.spec_schedule = fixed_schedule(shape, batch_size)
     gen = torch.Generator().manual_seed(seed)
     vocab = engine.config.vocab_size
-    draft = shape[1] + 1 if shape else 1
+    draft = engine.runner.max_draft_depth(shape) + 1 if shape else 1  # most tokens one step may emit
     params = SamplingParams(max_tokens=(repeats + warmup + 2) * draft + 1, ignore_eos=True)
     ids = [f"calibrate-{i}" for i in range(batch_size)]
     try:

@@ -30,6 +30,7 @@ from workers.models.gguf_weights import resolve_weights, use_bf16_prefill, use_g
 from workers.models.loader import load_model
 from workers.models.tokenizer import apply_chat_template, load_tokenizer
 from workers.redrafter.drafter import load_drafter
+from workers.redrafter.prompt_lookup import PromptLookup
 from workers.sampling import SamplingParams, make_generator
 from workers.scheduler import Scheduler, SchedulerConfig
 from workers.sequence import Sequence
@@ -88,6 +89,9 @@ class EngineOptions:
         in bfloat16 on oneDNN's AMX GEMM (:mod:`workers.kernels.prefill_bf16`); decode steps and draft
         trees stay float32. ``"auto"``: bfloat16 where the model is on GGUF blocks and the CPU has
         AMX bfloat16 tiles.
+    prompt_lookup_num_tokens: tokens of a prompt-lookup beam added to every draft tree (0: none),
+        matched on n-grams of ``prompt_lookup_min`` to ``prompt_lookup_max`` tokens
+        (:mod:`workers.redrafter.prompt_lookup`; vLLM's option names).
     """
 
     device: str = "cpu"
@@ -106,6 +110,9 @@ class EngineOptions:
     tp_size: int = 1
     weights: str = "auto"
     prefill_dtype: str = "auto"
+    prompt_lookup_num_tokens: int = 0
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 3
 
 
 class Engine:
@@ -128,6 +135,8 @@ class Engine:
         if opts.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {opts.dtype!r}")
         resolve_prefill_dtype(opts.prefill_dtype)  # a bad value fails before the model loads
+        self.lookup = None if opts.prompt_lookup_num_tokens == 0 else PromptLookup(
+            opts.prompt_lookup_min, opts.prompt_lookup_max, opts.prompt_lookup_num_tokens)
         if opts.num_threads:
             torch.set_num_threads(opts.num_threads)
         self.options = opts
@@ -160,9 +169,11 @@ class Engine:
         self.blocks = BlockManager(self.kv_size.num_blocks, opts.tokens_per_block)
         make = executor_factory or LocalExecutor
         self.executor = make(model, self.blocks.num_slots - 1)
-        self.runner = ModelRunner(self.executor, self.blocks, self.drafter)
+        self.runner = ModelRunner(self.executor, self.blocks, self.drafter, self.lookup)
+        lookup_tokens = self.lookup.num_tokens if self.lookup else 0
         self.scheduler = Scheduler(
-            SchedulerConfig(opts.max_batch_size, opts.max_num_tokens, opts.max_prefill_chunk, self.max_seq_len),
+            SchedulerConfig(opts.max_batch_size, opts.max_num_tokens, opts.max_prefill_chunk, self.max_seq_len,
+                            lookup_tokens),
             self.blocks,
         )
         self.stats: EngineStats | None = None  # counts for metrics when set (cluster.observability)
@@ -192,6 +203,8 @@ class Engine:
         opts = self.options
         per_token = kv_bytes_per_token(cfg, dtype, opts.tp_size)
         max_tree = max((b * d for b, d in self.spec_policy.shapes), default=0)
+        if max_tree and self.lookup:
+            max_tree += self.lookup.num_tokens
         need_tokens = opts.max_batch_size * (self.max_seq_len + max_tree + opts.tokens_per_block)
         cap = -(-need_tokens // opts.tokens_per_block)
         if opts.num_kv_blocks is not None:
@@ -273,10 +286,11 @@ class Engine:
         if stats:
             for seq, _, _ in plan.context:
                 stats.on_scheduled(seq.request_id, t0)
-        limits = {}
+        limits = {}  # draft tokens each request may still take this step (its max_tokens less one)
         for seq, draft in zip(plan.generation, plan.draft_tokens):
             remaining = seq.max_tokens - len(seq.output_token_ids)
-            limits[seq.request_id] = min(plan.spec_shape[1], remaining - 1) if draft and plan.spec_shape else 0
+            limits[seq.request_id] = remaining - 1 if draft and plan.spec_shape else 0
+        full_depth = self.runner.max_draft_depth(plan.spec_shape) if plan.spec_shape else 0
         results = self.runner.run(plan.context, plan.generation, plan.spec_shape, limits)
         deltas = []
         for r in results:
@@ -287,7 +301,7 @@ class Engine:
             out = stream.append(r.tokens)
             if r.generation_step:
                 limit = limits.get(seq.request_id, 0)
-                if limit == 0 or limit == plan.spec_shape[1]:  # a tree cut short by max_tokens tells nothing
+                if limit == 0 or limit >= full_depth:  # a tree cut short by max_tokens tells nothing
                     self.spec_policy.observe(seq.extra["spec_state"], plan.spec_shape, limit > 0,
                                              r.accepted_draft_tokens)
                 seq.extra["steps"] += 1
@@ -295,7 +309,7 @@ class Engine:
                 accepted = min(r.accepted_draft_tokens, len(stream.token_ids) - emitted)
                 seq.extra["accepted"] += accepted
                 if stats:
-                    stats.on_generation_step(limit, accepted)
+                    stats.on_generation_step(r.draft_depth, accepted)
             if stats:
                 stats.on_tokens(seq.request_id, len(seq.prompt_token_ids), emitted, len(stream.token_ids), out.finished)
             deltas.append(GenerationDelta(

@@ -4,7 +4,8 @@ The scheduler decides which requests run and the speculation shape; this runner 
 plan out (nano-vllm's ``model_runner``; TensorRT-LLM's in-flight batching runtime):
 
 1. Generation requests that speculate get their draft beams, all in one batched ReDrafter beam
-   search (arXiv 2403.09919 Sec. 3.2), packed into one prefix tree each.
+   search (arXiv 2403.09919 Sec. 3.2), plus, where set, a prompt-lookup beam copied from their
+   own context (:mod:`workers.redrafter.prompt_lookup`), packed into one prefix tree each.
 2. Context chunks and generation tokens (root token plus draft tree, or the root alone for plain
    decoding) are packed into one :class:`ForwardBatch`: each context chunk is its own attention
    group; generation requests with a tree form one group padded to the largest tree, plain ones
@@ -26,6 +27,7 @@ from workers.forward_batch import AttentionGroup, ForwardBatch
 from workers.redrafter.acceptance import accept_greedy, accept_sampled
 from workers.redrafter.beam_search import draft_beams_batch
 from workers.redrafter.drafter import ReDrafter
+from workers.redrafter.prompt_lookup import NgramIndex, PromptLookup
 from workers.redrafter.tree import PrefixTree, build_prefix_tree
 from workers.sampling import SamplingParams, adjusted_probs, sample
 from workers.sequence import Sequence
@@ -39,12 +41,14 @@ class StepResult:
         finished context phase); empty for a context chunk that did not finish the context.
     accepted_draft_tokens: how many of ``tokens`` were drafted.
     generation_step: True for a generation-phase step (counts towards tokens per step).
+    draft_depth: the draft tree's depth (its longest beam's drafted tokens); 0 for a plain step.
     """
 
     seq: Sequence
     tokens: list[int]
     accepted_draft_tokens: int
     generation_step: bool
+    draft_depth: int = 0
 
 
 @dataclass
@@ -74,11 +78,17 @@ class _GenRow:
 class ModelRunner:
     """Runs plans on an executor (:class:`workers.executor.LocalExecutor` or the TP executor)."""
 
-    def __init__(self, executor, block_manager: BlockManager, drafter: ReDrafter | None):
+    def __init__(self, executor, block_manager: BlockManager, drafter: ReDrafter | None,
+                 lookup: PromptLookup | None = None):
         self.executor = executor
         self.blocks = block_manager
         self.drafter = drafter
+        self.lookup = lookup
         self.device = executor.device
+
+    def max_draft_depth(self, spec_shape: tuple[int, int]) -> int:
+        """Deepest tree a step of ``spec_shape`` may draft (the prompt-lookup beam may be longer)."""
+        return max(spec_shape[1], self.lookup.num_tokens if self.lookup else 0)
 
     @torch.inference_mode()
     def run(self, context: list[tuple[Sequence, int, int]], generation: list[Sequence],
@@ -90,8 +100,8 @@ class ModelRunner:
             generation: sequences in the generation phase (``num_computed_tokens == num_tokens - 1``).
             spec_shape: ``(num_beams, draft_len_per_beam)`` for sequences with ``seq.speculative``,
                 or None for plain steps only.
-            draft_limits: request id -> most draft tokens this step may add (a request near its
-                token limit drafts fewer; 0 means a plain step). Missing ids: no limit.
+            draft_limits: request id -> most draft tokens this step may add to any beam (a request
+                near its token limit drafts fewer; 0 means a plain step). Missing ids: no limit.
 
         Returns:
             one :class:`StepResult` per scheduled sequence, context chunks first. Sequences'
@@ -135,7 +145,8 @@ class ModelRunner:
             state.hidden = hidden[row_start + path[-1]]
             seq.num_computed_tokens = L + len(path)
             seq.output_token_ids.extend(drafted + [bonus])
-            results.append(StepResult(seq, drafted + [bonus], len(drafted), True))
+            depth = 0 if row.tree is None else int(row.tree.depths[-1])
+            results.append(StepResult(seq, drafted + [bonus], len(drafted), True, depth))
         if copies_src:
             self.executor.copy_slots(torch.cat(copies_src).to(self.device), torch.cat(copies_dst).to(self.device))
         return results
@@ -152,9 +163,22 @@ class ModelRunner:
         roots = torch.tensor([r.seq.output_token_ids[-1] for r in spec], device=context.device)
         beams = draft_beams_batch(self.drafter, self.executor.embed, context, roots, num_beams, draft_len).cpu()
         for r, b in zip(spec, beams):
-            limit = min(draft_len, limits.get(r.seq.request_id, draft_len))
-            r.tree = build_prefix_tree(b[:, : limit + 1])
+            budget = limits.get(r.seq.request_id, self.max_draft_depth(spec_shape))
+            tree_beams = b[:, : min(draft_len, budget) + 1].tolist()
+            if self.lookup is not None:
+                extra = self._lookup_beam(r.seq, min(self.lookup.num_tokens, budget))
+                if extra:
+                    tree_beams.append([tree_beams[0][0]] + extra)
+            r.tree = build_prefix_tree(tree_beams)
         return rows
+
+    def _lookup_beam(self, seq: Sequence, num_tokens: int) -> list[int]:
+        """The prompt-lookup beam's drafted tokens after ``seq``'s last token, ``[]`` without a match."""
+        index = seq.extra.get("lookup")
+        if index is None:
+            index = seq.extra["lookup"] = NgramIndex(self.lookup.min_n, self.lookup.max_n)
+        index.sync(seq.prompt_token_ids + seq.output_token_ids)
+        return index.propose(num_tokens)
 
     def _pack(self, context, rows: list[_GenRow]) -> tuple[ForwardBatch, list[int], list[int], list[int]]:
         """Pack context chunks and generation rows; returns the batch, the rows needing logits, each

@@ -4,10 +4,10 @@ Each iteration (:meth:`Scheduler.schedule`) plans, under ``max_batch_size`` sequ
 ``max_num_tokens`` tokens (TensorRT-LLM option names; draft-tree tokens count):
 
 1. Generation phase first, oldest first: every running sequence whose context is computed gets one
-   step of ``1 + tree_tokens`` tokens, where ``tree_tokens = num_beams * draft_len_per_beam`` for the
-   shape the speculation schedule gives for the number of generation-phase sequences, or 0 (plain)
-   for a non-speculative request, when the tree would pass ``max_seq_len``, exceed the token budget,
-   or need KV blocks that are not free.
+   step of ``1 + tree_tokens`` tokens, where ``tree_tokens = num_beams * draft_len_per_beam`` (plus
+   ``lookup_tokens`` for a prompt-lookup beam) for the shape the speculation schedule gives for the
+   number of generation-phase sequences, or 0 (plain) for a non-speculative request, when the tree
+   would pass ``max_seq_len``, exceed the token budget, or need KV blocks that are not free.
 2. Context phase, FCFS: running sequences with a partly computed context, then waiting sequences
    (new or preempted; none in an iteration that preempted, as in vLLM), in chunks of at most
    ``max_prefill_chunk`` tokens (chunked prefill, as in vLLM and Sarathi-Serve) until a budget or
@@ -42,18 +42,23 @@ class SchedulerConfig:
     max_prefill_chunk: most context tokens of one sequence per iteration; None = ``max_num_tokens``.
     max_seq_len: positions a sequence may use (the model's context length); draft trees that would
         pass it are skipped; None = unlimited.
+    lookup_tokens: tree slots a speculative step reserves beyond ``num_beams * draft_len_per_beam``
+        for its prompt-lookup beam (:mod:`workers.redrafter.prompt_lookup`); 0 = none.
     """
 
     max_batch_size: int
     max_num_tokens: int
     max_prefill_chunk: int | None = None
     max_seq_len: int | None = None
+    lookup_tokens: int = 0
 
     def __post_init__(self):
         for name in ("max_batch_size", "max_num_tokens", "max_prefill_chunk", "max_seq_len"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"SchedulerConfig.{name} must be >= 1, got {value}")
+        if self.lookup_tokens < 0:
+            raise ValueError(f"SchedulerConfig.lookup_tokens must be >= 0, got {self.lookup_tokens}")
 
 
 @dataclass
@@ -63,7 +68,7 @@ class SchedulePlan:
     context: ``(seq, start, num_tokens)``: prefill positions ``[start, start + num_tokens)``.
     generation: sequences taking one generation step, oldest first.
     draft_tokens: per ``generation`` entry, the draft-tree slots reserved (0 = plain step); a
-        speculative step's tree holds at most ``spec_shape[0] * spec_shape[1]`` tokens.
+        speculative step's tree holds at most ``spec_shape[0] * spec_shape[1] + lookup_tokens`` tokens.
     preempted: sequences preempted while planning (blocks already freed, now WAITING).
     spec_shape: ``(num_beams, draft_len_per_beam)`` for this iteration, None when no entry drafts.
     """
@@ -156,7 +161,7 @@ class Scheduler:
         plan = SchedulePlan()
         generating = [s for s in self.running if not s.is_prefill]
         shape = policy.shape_for(len(generating))
-        tree_tokens = shape[0] * shape[1] if shape else 0
+        tree_tokens = shape[0] * shape[1] + self.config.lookup_tokens if shape else 0
         for seq in generating:
             if seq.status is SequenceStatus.RUNNING:
                 drafts = bool(tree_tokens) and seq.speculative and policy.drafts(

@@ -69,12 +69,13 @@ def assert_same(spec: Run, plain: Run, context: str) -> None:
 
 @pytest.fixture(scope="module")
 def engines(tiny_model_dirs, trained_drafter_dirs):
-    """``engines(variant, num_beams, draft_len_per_beam) -> Engine``, cached."""
+    """``engines(variant, num_beams, draft_len_per_beam, lookup_tokens=0, lookup_min=2) -> Engine``, cached."""
 
     @lru_cache(maxsize=None)
-    def make(variant: str, num_beams: int, draft_len: int) -> Engine:
+    def make(variant: str, num_beams: int, draft_len: int, lookup_tokens: int = 0, lookup_min: int = 2) -> Engine:
         engine = Engine(str(tiny_model_dirs[variant]), str(trained_drafter_dirs[variant]),
-                        num_beams=num_beams, draft_len_per_beam=draft_len, max_seq_len=256)
+                        num_beams=num_beams, draft_len_per_beam=draft_len, max_seq_len=256,
+                        prompt_lookup_num_tokens=lookup_tokens, prompt_lookup_min=lookup_min, prompt_lookup_max=3)
         assert (engine.weights is not None) == variant.endswith("@gguf")  # GGUF blocks served by default
         # and then the drafter drafts on Q8_0 blocks (workers/redrafter/quantize.py)
         assert (type(engine.drafter.rnn_u).__name__ == "QuantLinear") == variant.endswith("@gguf")
@@ -117,6 +118,33 @@ def test_greedy_spec_matches_plain_over_random_cases(engines, weights):
                                  f"draft_len={engine.options.draft_len_per_beam} params={params}")
         multi_token_steps += sum(a >= 2 for a in spec.step_accepted)
     assert multi_token_steps >= 20, "the drafter was rarely accepted; the comparison is weak"
+
+
+@pytest.mark.parametrize("weights", ["float32", "gguf"])
+def test_greedy_spec_with_prompt_lookup_matches_plain(engines, weights):
+    """A prompt-lookup beam longer than the ReDrafter beams joins every tree: 24 random cases whose
+    prompts repeat a phrase (shapes 1-4 x 1-3, lookup beams of 2-6 tokens matched on 1- to 3-grams,
+    max_tokens, stop strings). Steps that accept more tokens than ``draft_len_per_beam`` could only
+    take the lookup beam; they must occur, so the test is not vacuous."""
+    lookup_steps = 0
+    for case in range(24):
+        rng = random.Random(1000 + case)
+        variant = weights_variant(VARIANTS[case % 2], weights)
+        draft_len = rng.randint(1, 3)
+        engine = engines(variant, rng.randint(1, 4), draft_len, rng.randint(draft_len + 1, 6), rng.randint(1, 2))
+        vocab = len(engine.tokenizer)
+        phrase = random_prompt(rng, vocab, 8)
+        prompt = random_prompt(rng, vocab, 30) + phrase * rng.randint(2, 4) + phrase[: rng.randint(0, len(phrase))]
+        params = SamplingParams(max_tokens=rng.randint(1, 60))
+        plain = run(engine, prompt, params, "plain")
+        stops = stop_strings(plain.text)
+        if case % 3 == 0 and stops:
+            params = SamplingParams(max_tokens=params.max_tokens, stop=(rng.choice(stops),))
+            plain = run(engine, prompt, params, "plain")
+        spec = run(engine, prompt, params, "spec")
+        assert_same(spec, plain, f"case {case}: {variant} draft_len={draft_len} lookup={engine.lookup} params={params}")
+        lookup_steps += sum(a > draft_len for a in spec.step_accepted)
+    assert lookup_steps >= 10, f"only {lookup_steps} steps took the lookup beam past the drafter's depth"
 
 
 def test_greedy_spec_stops_at_eos(engines, tiny_model_dirs):

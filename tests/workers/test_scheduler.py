@@ -90,6 +90,24 @@ def test_speculative_trees_mix_with_plain_steps_within_budgets():
     assert plan.draft_tokens == [0, 0] and plan.spec_shape is None
 
 
+def test_a_prompt_lookup_beam_reserves_its_slots_and_counts_against_the_budget():
+    bm = BlockManager(num_blocks=32, block_size=4)
+    sched = Scheduler(SchedulerConfig(max_batch_size=4, max_num_tokens=12, max_seq_len=64, lookup_tokens=3), bm)
+    a = make("a", 3)
+    sched.add(a)
+    run_context(sched.schedule())
+    plan = sched.schedule(SPEC_2X2)
+    assert plan.spec_shape == (2, 2) and plan.draft_tokens == [7]  # 2 x 2 beams + a 3-token lookup beam
+    assert len(a.block_table) * 4 >= a.num_tokens + 7
+    tight = Scheduler(SchedulerConfig(max_batch_size=4, max_num_tokens=7, lookup_tokens=3), BlockManager(32, 4))
+    b = make("b", 3)
+    tight.add(b)
+    run_context(tight.schedule())
+    assert tight.schedule(SPEC_2X2).draft_tokens == [0]  # 1 + 7 tokens > 7: a plain step
+    with pytest.raises(ValueError, match="lookup_tokens"):
+        SchedulerConfig(max_batch_size=1, max_num_tokens=8, lookup_tokens=-1)
+
+
 def test_tree_skipped_near_max_seq_len():
     bm = BlockManager(num_blocks=8, block_size=4)
     sched = Scheduler(SchedulerConfig(max_batch_size=2, max_num_tokens=16, max_seq_len=12), bm)

@@ -94,6 +94,35 @@ def test_spec_sampling_matches_plain_distribution(engines, params, prompt_seed, 
     assert p > 1e-3, f"(token 2, token 3) pairs: p={p:.2e}"
 
 
+def test_spec_sampling_with_a_prompt_lookup_beam_matches_plain_distribution(tiny_model_dirs, trained_drafter_dirs):
+    """A 1 x 1 ReDrafter tree plus a 3-token prompt-lookup beam (matched on 1- to 3-grams), 8 tokens
+    (the sharp tiny model often repeats what it sampled, which the lookup beam drafts): the output
+    distribution is still the base model's at every position, and steps that accept 2+ draft tokens
+    (only the lookup beam reaches that deep) occur in many runs."""
+    engine = Engine(str(tiny_model_dirs["tied_sharp"]), str(trained_drafter_dirs["tied_sharp"]),
+                    num_beams=1, draft_len_per_beam=1, max_seq_len=128,
+                    prompt_lookup_num_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3)
+    rng = random.Random(11)
+    prompt = [rng.randrange(3, len(engine.tokenizer)) for _ in range(12)]
+    params = SamplingParams(max_tokens=8, temperature=0.8, ignore_eos=True)
+    seeds = random.Random(1).sample(range(10**9), RUNS)
+    spec, deep_runs = [], 0
+    for seed in seeds:
+        deltas = list(engine.generate(prompt, SamplingParams(**{**params.__dict__, "seed": seed}), "spec"))
+        spec.append(tuple(t for d in deltas for t in d.token_ids))
+        deep_runs += any(b.accepted_draft_tokens - a.accepted_draft_tokens >= 2 for a, b in zip(deltas, deltas[1:]))
+    plain, _ = outputs(engine, prompt, params, "plain", master_seed=2)
+    assert deep_runs >= RUNS // 10, f"the lookup beam was accepted past depth 1 in only {deep_runs}/{RUNS} runs"
+    assert all(len(o) == 8 for o in spec + plain)
+    for pos in range(8):
+        a, b = Counter(o[pos] for o in spec), Counter(o[pos] for o in plain)
+        assert len(a | b) >= 2, "degenerate distribution: the test would be vacuous"
+        p = chi2_pvalue(a, b)
+        assert p > 1e-3, f"position {pos}: p={p:.2e}"
+    p = chi2_pvalue(Counter(o[2:5] for o in spec), Counter(o[2:5] for o in plain))
+    assert p > 1e-3, f"(token 2, 3, 4) triples: p={p:.2e}"
+
+
 def test_spec_sampling_detects_a_biased_sampler(engine):
     """The comparison has power: plain runs at a different temperature are told apart."""
     rng = random.Random(3)

@@ -22,7 +22,8 @@ class PrefixTree:
     tokens: ``[num_nodes] long``; node 0 is the root, the last accepted token shared by all beams.
     parents: ``[num_nodes] long``; parent node index, -1 for the root.
     depths: ``[num_nodes] long``; root depth 0.
-    beam_nodes: ``[num_beams, draft_len_per_beam + 1] long``; node index of each beam position.
+    beam_nodes: ``[num_beams, max_beam_len] long``; node index of each beam position, -1 past the end
+        of a shorter beam.
     mask: ``[num_nodes, num_nodes] bool``; ``mask[i, j]`` iff j is i or an ancestor of i.
     children: children of each node, in order of first appearance (beam order).
     """
@@ -39,24 +40,33 @@ class PrefixTree:
         return len(self.children)
 
 
-def build_prefix_tree(beams: torch.Tensor) -> PrefixTree:
-    """Pack ``beams: [num_beams, draft_len_per_beam + 1] long`` (column 0: the shared root token).
+def build_prefix_tree(beams: torch.Tensor | list[list[int]]) -> PrefixTree:
+    """Pack ``beams: [num_beams, draft_len_per_beam + 1] long`` (column 0: the shared root token),
+    or a list of beams of different lengths (ReDrafter beams plus a longer prompt-lookup beam,
+    :mod:`workers.redrafter.prompt_lookup`).
 
     Beams sharing a prefix share its nodes; identical beams collapse into one path. Runs every
-    decoding step on a few dozen tokens, so it is a plain Python loop over ``beams.tolist()``.
+    decoding step on a few dozen tokens, so it is a plain Python loop over the beams' lists.
     The returned tensors are on the CPU.
+
+    Raises:
+        ValueError: no beams, or beams with different root tokens.
     """
-    rows = beams.tolist()
+    rows = beams.tolist() if isinstance(beams, torch.Tensor) else beams
+    if not rows or not rows[0]:
+        raise ValueError("need at least one beam with its root token")
     root = rows[0][0]
-    if any(row[0] != root for row in rows):
+    if any(not row or row[0] != root for row in rows):
         raise ValueError("all beams must start with the same root token")
-    width = len(rows[0])
+    width = max(len(row) for row in rows)
     tokens, parents, depths, children = [root], [-1], [0], [[]]
     ancestors = [[0]]  # ancestors[i]: node i and its ancestors
-    beam_nodes = [[0] * width for _ in rows]
+    beam_nodes = [[0] + [-1] * (width - 1) for _ in rows]
     node_of = {}  # (parent node, token) -> node
     for depth in range(1, width):
         for beam, row in enumerate(rows):
+            if depth >= len(row):
+                continue
             parent = beam_nodes[beam][depth - 1]
             key = (parent, row[depth])
             node = node_of.get(key)

@@ -192,11 +192,18 @@ def evaluate(
     draft_len: int = typer.Option(4, help="Drafted positions scored teacher-forced (K).", min=1),
     data_dir: Optional[Path] = typer.Option(None, help="Cache of the base model's greedy responses to the prompts (float32; reused on a re-run). Default: next to --out."),
     spec: bool = typer.Option(True, help="Run speculative decoding (the served engine: the model's GGUF blocks where it has them, the drafter on Q8_0)."),
+    prompt_lookup_num_tokens: int = typer.Option(0, help="Add a prompt-lookup beam of this many tokens to every draft tree (engine.prompt_lookup_num_tokens; 0: ReDrafter beams only).", min=0),
+    prompt_lookup_min: int = typer.Option(2, help="Shortest n-gram the prompt-lookup beam matches.", min=1),
+    prompt_lookup_max: int = typer.Option(3, help="Longest n-gram the prompt-lookup beam matches.", min=1),
 ) -> None:
     """Measure a drafter on a prompt set, per category: speculative decoding (tokens per step,
-    first-token acceptance) and teacher-forced top-1 accuracy per drafted position with the draft
+    first-token acceptance; with --prompt-lookup-num-tokens, of the ReDrafter beams plus a
+    prompt-lookup beam) and teacher-forced top-1 accuracy per drafted position with the draft
     vocabulary's coverage. Greedy, batch 1; prompts over 2,000 tokens are skipped."""
     shape_list = _shapes(shapes)
+    if prompt_lookup_min > prompt_lookup_max:
+        raise typer.BadParameter(f"{prompt_lookup_min} is above --prompt-lookup-max {prompt_lookup_max}",
+                                 param_hint="--prompt-lookup-min")
     from workers.engine import Engine
     from workers.models.loader import load_model
     from workers.models.pull import pull_default
@@ -216,7 +223,9 @@ def evaluate(
     rows = [r for r in rows if len(r["prompt_ids"]) <= 2000]
     if skipped:
         console.print(f"skipped {skipped} prompts over 2,000 tokens")
-    report: dict = {"drafter": str(drafter), "prompts": str(prompts), "max_new_tokens": max_new_tokens}
+    report: dict = {"drafter": str(drafter), "prompts": str(prompts), "max_new_tokens": max_new_tokens,
+                    "prompt_lookup": {"num_tokens": prompt_lookup_num_tokens, "min": prompt_lookup_min,
+                                      "max": prompt_lookup_max}}
     data = data_dir or out.with_name(out.stem + "-data")
     _check_data_settings(data, {"model": str(Path(model_dir).resolve()), "prompts": str(prompts.resolve()),
                                 "max_new_tokens": max_new_tokens, "gen_dtype": "float32"})
@@ -234,7 +243,9 @@ def evaluate(
         subset = _per_category(rows, per_category)
         report["spec"] = {}
         for nb, dl in shape_list:
-            engine = Engine(str(model_dir), str(drafter), num_beams=nb, draft_len_per_beam=dl)
+            engine = Engine(str(model_dir), str(drafter), num_beams=nb, draft_len_per_beam=dl,
+                            prompt_lookup_num_tokens=prompt_lookup_num_tokens, prompt_lookup_min=prompt_lookup_min,
+                            prompt_lookup_max=prompt_lookup_max)
             res = spec_acceptance(engine, subset, max_new_tokens, desc=f"speculative {nb}x{dl}")
             report["spec"][f"{nb}x{dl}"] = res
             table = Table("category", "prompts", "tokens/step", "first-token acceptance", title=f"shape {nb}x{dl}")

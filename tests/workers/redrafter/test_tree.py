@@ -94,3 +94,15 @@ def test_random_beams_property():
         _check_invariants(tree, beams)
         distinct_prefixes = {tuple(row[: d + 1]) for row in beams.tolist() for d in range(draft_len + 1)}
         assert tree.num_nodes == len(distinct_prefixes)
+
+
+def test_beams_of_different_lengths_pack_into_one_tree():
+    """A longer prompt-lookup beam next to ReDrafter beams: shared prefixes still merge."""
+    tree = build_prefix_tree([[7, 1, 2], [7, 3, 4], [7, 1, 2, 5, 6]])
+    assert tree.tokens.tolist() == [7, 1, 3, 2, 4, 5, 6]
+    assert tree.parents.tolist() == [-1, 0, 0, 1, 2, 3, 5]
+    assert tree.depths.tolist() == [0, 1, 1, 2, 2, 3, 4]
+    assert tree.beam_nodes.tolist() == [[0, 1, 3, -1, -1], [0, 2, 4, -1, -1], [0, 1, 3, 5, 6]]
+    assert tree.mask[6].nonzero().flatten().tolist() == [0, 1, 3, 5, 6]
+    with pytest.raises(ValueError, match="root"):
+        build_prefix_tree([[7, 1], [8, 1, 2]])
