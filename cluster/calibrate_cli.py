@@ -47,7 +47,11 @@ def _prompts(engine, path: Path | None, per_category: int) -> list[list[int]]:
     if path is not None:
         from cluster.evaluation.prompts import load_prompts
 
-        rows = load_prompts(path)
+        rows, seen = [], {}
+        for r in load_prompts(path):  # the first per_category of each category, in file order
+            seen[r.category] = seen.get(r.category, 0) + 1
+            if seen[r.category] <= per_category:
+                rows.append(r)
         return [engine.encode_chat(r.messages) if r.messages is not None else engine.encode_prompt(r.prompt)
                 for r in rows]
     from workers.training.prompt_sources import build_prompts, first_per_category
@@ -63,9 +67,11 @@ def calibrate(
     shapes: str = typer.Option("1x2,2x2,2x3,4x4", help="Draft-tree shapes NUM_BEAMSxDRAFT_LEN to consider."),
     prompts: Path | None = typer.Option(None, help="JSONL prompts ('prompt' or 'messages') for tokens per "
                                         "step; default: rdserve's built-in held-out chat and code prompts."),
-    prompts_per_category: int = typer.Option(4, min=1, help="Built-in prompts per category."),
+    prompts_per_category: int = typer.Option(4, min=1, help="Prompts per category (built-in, or the first of "
+                                             "each category of --prompts)."),
     max_tokens: int = typer.Option(64, min=2, help="Tokens generated per prompt for tokens per step."),
-    context_len: int = typer.Option(256, min=1, help="Cached tokens per request while timing steps."),
+    context_len: int = typer.Option(256, min=1, help="Cached tokens per request while timing steps (the "
+                                    "prompts' text, joined: draft trees then take the shapes real text gives them)."),
     repeats: int = typer.Option(6, min=1, help="Timed iterations per measurement (median)."),
     out: Path | None = typer.Option(None, help="Where to write every measured figure (JSON); default: the "
                                     "config's engine.spec_calibration with spec_schedule 'auto', else calibration.json."),
@@ -104,10 +110,12 @@ def calibrate(
             progress.advance(task)
         task = progress.add_task("step costs", total=len(batches) * (1 + len(shape_list)))
         for b in batches:
-            plain_s[b] = measure_step_s(engine, b, None, context_len=context_len, repeats=repeats)
+            plain_s[b] = measure_step_s(engine, b, None, context_len=context_len, repeats=repeats,
+                                        prompts=prompt_ids)
             progress.advance(task)
             for shape in shape_list:
-                spec_s[b, shape] = measure_step_s(engine, b, shape, context_len=context_len, repeats=repeats)
+                spec_s[b, shape] = measure_step_s(engine, b, shape, context_len=context_len, repeats=repeats,
+                                                  prompts=prompt_ids)
                 progress.advance(task)
     table = derive_schedule(plain_s, spec_s, tps)
     _print(batches, shape_list, plain_s, spec_s, tps, table)

@@ -71,10 +71,10 @@ class EngineConfig(_Section):
         "weights are gguf and the CPU has AMX bfloat16 tiles. See BENCHMARKS.md, 'Prefill in bfloat16'")
     tp_size: int = Field(1, ge=1, description="tensor-parallel ranks per replica")
     prompt_lookup_num_tokens: int = Field(
-        0, ge=0, le=16, description="a prompt-lookup beam of this many tokens joins every draft tree: it copies "
+        4, ge=0, le=16, description="a prompt-lookup beam of this many tokens joins every draft tree: it copies "
         "what followed the latest earlier occurrence of the context's last n tokens (n from prompt_lookup_max down "
         "to prompt_lookup_min), so text the answer repeats from the prompt or from itself is drafted too; "
-        "verification is unchanged (lossless). 0: ReDrafter beams only. torch backend")
+        "verification is unchanged (lossless). 0: ReDrafter beams only (needed with backend tensorrt_llm)")
     prompt_lookup_min: int = Field(2, ge=1, le=8, description="shortest n-gram matched by the prompt-lookup beam")
     prompt_lookup_max: int = Field(3, ge=1, le=8, description="longest n-gram matched by the prompt-lookup beam")
     num_beams: int = Field(4, ge=1, le=16, description="ReDrafter beams drafted per step")
@@ -270,7 +270,7 @@ class RdserveConfig(_Section):
         if eng.prompt_lookup_min > eng.prompt_lookup_max:
             raise ValueError(f"engine.prompt_lookup_min: {eng.prompt_lookup_min} is above engine.prompt_lookup_max "
                              f"{eng.prompt_lookup_max}")
-        if eng.prompt_lookup_num_tokens and eng.backend != "torch":
+        if eng.prompt_lookup_num_tokens and eng.backend != "torch" and "prompt_lookup_num_tokens" in eng.model_fields_set:
             raise ValueError("engine.prompt_lookup_num_tokens: the prompt-lookup beam needs backend torch "
                              "(TensorRT-LLM's ReDrafter engine drafts its compiled beams only); set it to 0")
         if self.serve.pools is not None:

@@ -25,9 +25,16 @@ from workers.spec_schedule import Shape, fixed_schedule
 
 
 def measure_step_s(engine: Engine, batch_size: int, shape: Shape | None, *, context_len: int = 256,
-                   repeats: int = 8, warmup: int = 2, seed: int = 0) -> float:
+                   repeats: int = 8, warmup: int = 2, seed: int = 0,
+                   prompts: list[list[int]] | None = None) -> float:
     """Median seconds of one iteration with ``batch_size`` generation requests, each with
-    ``context_len`` cached tokens (random prompts), decoding with ``shape`` (None: plain).
+    ``context_len`` cached tokens, decoding with ``shape`` (None: plain).
+
+    The contexts are random tokens, or with ``prompts`` real text: request i's context is
+    ``prompts[i], prompts[i + 1], ...`` (cyclic) joined and cut to ``context_len`` tokens. Real
+    text makes the draft trees what traffic makes them: how often beams share prefixes, and
+    whether a prompt-lookup beam (``engine.prompt_lookup_num_tokens``) finds a match, which on
+    random tokens it almost never does.
 
     Raises:
         RuntimeError: the engine holds other requests (the measurement needs it to itself), or
@@ -43,8 +50,15 @@ def measure_step_s(engine: Engine, batch_size: int, shape: Shape | None, *, cont
     params = SamplingParams(max_tokens=(repeats + warmup + 2) * draft + 1, ignore_eos=True)
     ids = [f"calibrate-{i}" for i in range(batch_size)]
     try:
-        for rid in ids:
-            prompt = torch.randint(3, vocab, (context_len,), generator=gen).tolist()
+        for i, rid in enumerate(ids):
+            if prompts:
+                prompt, j = [], i
+                while len(prompt) < context_len:
+                    prompt += prompts[j % len(prompts)]
+                    j += 1
+                prompt = prompt[:context_len]
+            else:
+                prompt = torch.randint(3, vocab, (context_len,), generator=gen).tolist()
             engine.add_request(rid, prompt, params, "spec" if shape else "plain")
         for _ in range(10_000):  # context phase (chunked prefill) until every request generates
             engine.step()
