@@ -77,6 +77,10 @@ class EngineConfig(_Section):
         "verification is unchanged (lossless). 0: ReDrafter beams only (needed with backend tensorrt_llm)")
     prompt_lookup_min: int = Field(2, ge=1, le=8, description="shortest n-gram matched by the prompt-lookup beam")
     prompt_lookup_max: int = Field(3, ge=1, le=8, description="longest n-gram matched by the prompt-lookup beam")
+    prompt_lookup_max_num_tokens: int | None = Field(
+        None, ge=1, le=32, description="after a step that accepted the whole prompt-lookup beam, the next one is "
+        "twice as long, up to this many tokens (a copied or repeating span usually goes on); back to "
+        "prompt_lookup_num_tokens after any other step. null = fixed length")
     num_beams: int = Field(4, ge=1, le=16, description="ReDrafter beams drafted per step")
     draft_len_per_beam: int = Field(4, ge=1, le=16, description="draft tokens per beam")
     max_seq_len: int = Field(2048, ge=16, description="context length: prompt + completion tokens")
@@ -270,6 +274,9 @@ class RdserveConfig(_Section):
         if eng.prompt_lookup_min > eng.prompt_lookup_max:
             raise ValueError(f"engine.prompt_lookup_min: {eng.prompt_lookup_min} is above engine.prompt_lookup_max "
                              f"{eng.prompt_lookup_max}")
+        if eng.prompt_lookup_max_num_tokens is not None and eng.prompt_lookup_max_num_tokens < eng.prompt_lookup_num_tokens:
+            raise ValueError(f"engine.prompt_lookup_max_num_tokens: {eng.prompt_lookup_max_num_tokens} is below "
+                             f"engine.prompt_lookup_num_tokens {eng.prompt_lookup_num_tokens}")
         if eng.prompt_lookup_num_tokens and eng.backend != "torch" and "prompt_lookup_num_tokens" in eng.model_fields_set:
             raise ValueError("engine.prompt_lookup_num_tokens: the prompt-lookup beam needs backend torch "
                              "(TensorRT-LLM's ReDrafter engine drafts its compiled beams only); set it to 0")
@@ -373,7 +380,7 @@ def check_startable(cfg: RdserveConfig, cuda_available: bool | None = None, cali
             costs = StepCosts.load(eng.spec_calibration)
         except ValueError as err:
             raise ConfigError(f"engine.spec_calibration: {err}") from None
-        lookup = eng.prompt_lookup_num_tokens
+        lookup = eng.prompt_lookup_max_num_tokens or eng.prompt_lookup_num_tokens if eng.prompt_lookup_num_tokens else 0
         too_big = [s for s in costs.shapes if 1 + s[0] * s[1] + lookup > eng.max_num_tokens or s[0] > 16 or s[1] > 16]
         if too_big:
             raise ConfigError(f"engine.spec_calibration: shape {too_big[0][0]}x{too_big[0][1]} in "

@@ -34,7 +34,7 @@ def build_engine(cfg: RdserveConfig, tp_gpus: list[str] | None = None):
         weights=eng.weights,
         prefill_dtype=eng.prefill_dtype,
         prompt_lookup_num_tokens=eng.prompt_lookup_num_tokens, prompt_lookup_min=eng.prompt_lookup_min,
-        prompt_lookup_max=eng.prompt_lookup_max,
+        prompt_lookup_max=eng.prompt_lookup_max, prompt_lookup_max_num_tokens=eng.prompt_lookup_max_num_tokens,
         num_threads=num_threads(cfg),
     )
     factory = policy = None

@@ -91,7 +91,8 @@ class EngineOptions:
         AMX bfloat16 tiles.
     prompt_lookup_num_tokens: tokens of a prompt-lookup beam added to every draft tree (0: none),
         matched on n-grams of ``prompt_lookup_min`` to ``prompt_lookup_max`` tokens
-        (:mod:`workers.redrafter.prompt_lookup`; vLLM's option names).
+        (:mod:`workers.redrafter.prompt_lookup`; vLLM's option names); after a step that accepted
+        the whole beam it doubles, up to ``prompt_lookup_max_num_tokens`` (None: fixed length).
     """
 
     device: str = "cpu"
@@ -113,6 +114,7 @@ class EngineOptions:
     prompt_lookup_num_tokens: int = 0
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 3
+    prompt_lookup_max_num_tokens: int | None = None
 
 
 class Engine:
@@ -136,7 +138,8 @@ class Engine:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {opts.dtype!r}")
         resolve_prefill_dtype(opts.prefill_dtype)  # a bad value fails before the model loads
         self.lookup = None if opts.prompt_lookup_num_tokens == 0 else PromptLookup(
-            opts.prompt_lookup_min, opts.prompt_lookup_max, opts.prompt_lookup_num_tokens)
+            opts.prompt_lookup_min, opts.prompt_lookup_max, opts.prompt_lookup_num_tokens,
+            opts.prompt_lookup_max_num_tokens)
         if opts.num_threads:
             torch.set_num_threads(opts.num_threads)
         self.options = opts
@@ -170,7 +173,7 @@ class Engine:
         make = executor_factory or LocalExecutor
         self.executor = make(model, self.blocks.num_slots - 1)
         self.runner = ModelRunner(self.executor, self.blocks, self.drafter, self.lookup)
-        lookup_tokens = self.lookup.num_tokens if self.lookup else 0
+        lookup_tokens = self.lookup.longest if self.lookup else 0
         self.scheduler = Scheduler(
             SchedulerConfig(opts.max_batch_size, opts.max_num_tokens, opts.max_prefill_chunk, self.max_seq_len,
                             lookup_tokens),
@@ -204,7 +207,7 @@ class Engine:
         per_token = kv_bytes_per_token(cfg, dtype, opts.tp_size)
         max_tree = max((b * d for b, d in self.spec_policy.shapes), default=0)
         if max_tree and self.lookup:
-            max_tree += self.lookup.num_tokens
+            max_tree += self.lookup.longest
         need_tokens = opts.max_batch_size * (self.max_seq_len + max_tree + opts.tokens_per_block)
         cap = -(-need_tokens // opts.tokens_per_block)
         if opts.num_kv_blocks is not None:

@@ -69,6 +69,7 @@ class _GenRow:
     seq: Sequence
     tree: PrefixTree | None  # None: plain step (the root alone)
     length: int  # committed tokens (L): the root is written at position L
+    lookup: list[int] | None = None  # the prompt-lookup beam's drafted tokens, if the tree has one
 
     @property
     def num_nodes(self) -> int:
@@ -88,7 +89,7 @@ class ModelRunner:
 
     def max_draft_depth(self, spec_shape: tuple[int, int]) -> int:
         """Deepest tree a step of ``spec_shape`` may draft (the prompt-lookup beam may be longer)."""
-        return max(spec_shape[1], self.lookup.num_tokens if self.lookup else 0)
+        return max(spec_shape[1], self.lookup.longest if self.lookup else 0)
 
     @torch.inference_mode()
     def run(self, context: list[tuple[Sequence, int, int]], generation: list[Sequence],
@@ -142,6 +143,9 @@ class ModelRunner:
                 copies_src.append(self.blocks.slots(seq, L, L + row.num_nodes)[path])
                 copies_dst.append(self.blocks.slots(seq, L, L + len(path)))
             drafted = [] if row.tree is None else row.tree.tokens[path[1:]].tolist()
+            if row.lookup:
+                seq.extra["lookup_len"] = self.lookup.next_length(
+                    seq.extra.get("lookup_len", self.lookup.num_tokens), drafted[: len(row.lookup)] == row.lookup)
             state.hidden = hidden[row_start + path[-1]]
             seq.num_computed_tokens = L + len(path)
             seq.output_token_ids.extend(drafted + [bonus])
@@ -166,9 +170,10 @@ class ModelRunner:
             budget = limits.get(r.seq.request_id, self.max_draft_depth(spec_shape))
             tree_beams = b[:, : min(draft_len, budget) + 1].tolist()
             if self.lookup is not None:
-                extra = self._lookup_beam(r.seq, min(self.lookup.num_tokens, budget))
-                if extra:
-                    tree_beams.append([tree_beams[0][0]] + extra)
+                length = r.seq.extra.get("lookup_len", self.lookup.num_tokens)
+                r.lookup = self._lookup_beam(r.seq, min(length, budget))
+                if r.lookup:
+                    tree_beams.append([tree_beams[0][0]] + r.lookup)
             r.tree = build_prefix_tree(tree_beams)
         return rows
 

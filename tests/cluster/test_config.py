@@ -77,6 +77,8 @@ def test_relative_paths_resolve_against_the_config_directory(tmp_path):
         ("engine: {max_seq_len: 8}", "engine.max_seq_len"),
         ("engine: {prompt_lookup_num_tokens: -1}", "engine.prompt_lookup_num_tokens"),
         ("engine: {prompt_lookup_min: 4, prompt_lookup_max: 3}", "engine.prompt_lookup_min: 4 is above"),
+        ("engine: {prompt_lookup_num_tokens: 4, prompt_lookup_max_num_tokens: 3}",
+         "engine.prompt_lookup_max_num_tokens: 3 is below"),
         ("engine: {prompt_lookup_num_tokens: 4, backend: tensorrt_llm}",
          "engine.prompt_lookup_num_tokens: the prompt-lookup beam needs backend torch"),
         ("engine: {tp_size: 0}", "engine.tp_size"),

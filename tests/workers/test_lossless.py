@@ -69,13 +69,16 @@ def assert_same(spec: Run, plain: Run, context: str) -> None:
 
 @pytest.fixture(scope="module")
 def engines(tiny_model_dirs, trained_drafter_dirs):
-    """``engines(variant, num_beams, draft_len_per_beam, lookup_tokens=0, lookup_min=2) -> Engine``, cached."""
+    """``engines(variant, num_beams, draft_len_per_beam, lookup_tokens=0, lookup_min=2, lookup_max_tokens=None)
+    -> Engine``, cached."""
 
     @lru_cache(maxsize=None)
-    def make(variant: str, num_beams: int, draft_len: int, lookup_tokens: int = 0, lookup_min: int = 2) -> Engine:
+    def make(variant: str, num_beams: int, draft_len: int, lookup_tokens: int = 0, lookup_min: int = 2,
+             lookup_max_tokens: int | None = None) -> Engine:
         engine = Engine(str(tiny_model_dirs[variant]), str(trained_drafter_dirs[variant]),
                         num_beams=num_beams, draft_len_per_beam=draft_len, max_seq_len=256,
-                        prompt_lookup_num_tokens=lookup_tokens, prompt_lookup_min=lookup_min, prompt_lookup_max=3)
+                        prompt_lookup_num_tokens=lookup_tokens, prompt_lookup_min=lookup_min, prompt_lookup_max=3,
+                        prompt_lookup_max_num_tokens=lookup_max_tokens)
         assert (engine.weights is not None) == variant.endswith("@gguf")  # GGUF blocks served by default
         # and then the drafter drafts on Q8_0 blocks (workers/redrafter/quantize.py)
         assert (type(engine.drafter.rnn_u).__name__ == "QuantLinear") == variant.endswith("@gguf")
@@ -124,14 +127,16 @@ def test_greedy_spec_matches_plain_over_random_cases(engines, weights):
 def test_greedy_spec_with_prompt_lookup_matches_plain(engines, weights):
     """A prompt-lookup beam longer than the ReDrafter beams joins every tree: 24 random cases whose
     prompts repeat a phrase (shapes 1-4 x 1-3, lookup beams of 2-6 tokens matched on 1- to 3-grams,
-    max_tokens, stop strings). Steps that accept more tokens than ``draft_len_per_beam`` could only
-    take the lookup beam; they must occur, so the test is not vacuous."""
-    lookup_steps = 0
+    half of them growing up to 16 tokens, max_tokens, stop strings). Steps that accept more tokens
+    than ``draft_len_per_beam`` could only take the lookup beam, and steps that accept more than the
+    initial lookup length only a grown one; both must occur, so the test is not vacuous."""
+    lookup_steps = grown_steps = 0
     for case in range(24):
         rng = random.Random(1000 + case)
         variant = weights_variant(VARIANTS[case % 2], weights)
         draft_len = rng.randint(1, 3)
-        engine = engines(variant, rng.randint(1, 4), draft_len, rng.randint(draft_len + 1, 6), rng.randint(1, 2))
+        lookup = rng.randint(draft_len + 1, 6)
+        engine = engines(variant, rng.randint(1, 4), draft_len, lookup, rng.randint(1, 2), 16 if case % 2 else None)
         vocab = len(engine.tokenizer)
         phrase = random_prompt(rng, vocab, 8)
         prompt = random_prompt(rng, vocab, 30) + phrase * rng.randint(2, 4) + phrase[: rng.randint(0, len(phrase))]
@@ -144,7 +149,9 @@ def test_greedy_spec_with_prompt_lookup_matches_plain(engines, weights):
         spec = run(engine, prompt, params, "spec")
         assert_same(spec, plain, f"case {case}: {variant} draft_len={draft_len} lookup={engine.lookup} params={params}")
         lookup_steps += sum(a > draft_len for a in spec.step_accepted)
+        grown_steps += sum(a > lookup for a in spec.step_accepted)
     assert lookup_steps >= 10, f"only {lookup_steps} steps took the lookup beam past the drafter's depth"
+    assert grown_steps >= 3, f"only {grown_steps} steps took a grown lookup beam"
 
 
 def test_greedy_spec_stops_at_eos(engines, tiny_model_dirs):

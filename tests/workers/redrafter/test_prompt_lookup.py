@@ -65,7 +65,15 @@ def test_incremental_sync_matches_the_definition(seed):
         tokens = tokens + [rng.randrange(vocab) for _ in range(rng.randint(0, 4))]
 
 
-@pytest.mark.parametrize("args", [(0, 2, 3), (3, 2, 3), (1, 2, 0)])
+def test_the_beam_doubles_after_a_whole_beam_was_accepted_and_resets_otherwise():
+    grow = PromptLookup(2, 3, 4, max_num_tokens=12)
+    assert (grow.longest, grow.next_length(4, True), grow.next_length(8, True), grow.next_length(12, True)) == (12, 8, 12, 12)
+    assert grow.next_length(8, False) == 4
+    fixed = PromptLookup(2, 3, 4)
+    assert (fixed.longest, fixed.next_length(4, True), fixed.next_length(4, False)) == (4, 4, 4)
+
+
+@pytest.mark.parametrize("args", [(0, 2, 3), (3, 2, 3), (1, 2, 0), (1, 2, 4, 3)])
 def test_bad_settings_are_errors(args):
     with pytest.raises(ValueError, match="prompt_lookup"):
         PromptLookup(*args)
