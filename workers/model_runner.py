@@ -18,6 +18,7 @@ plan out (nano-vllm's ``model_runner``; TensorRT-LLM's in-flight batching runtim
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -109,7 +110,7 @@ class ModelRunner:
             ``num_computed_tokens`` and ``output_token_ids`` are updated.
         """
         rows = self._draft(generation, spec_shape, draft_limits or {})
-        rows = [r for r in rows if r.tree is not None] + [r for r in rows if r.tree is None]  # group by width
+        rows = sorted(rows, key=lambda r: -r.num_nodes)  # widest first; equal widths are adjacent (stable)
         batch, logit_rows, last_rows, row_starts = self._pack(context, rows)
         hidden = self.executor.forward(batch.to(self.device) if self.device.type != "cpu" else batch)
         logits = self.executor.logits(hidden[logit_rows]) if logit_rows else None
@@ -191,9 +192,10 @@ class ModelRunner:
         preempted request's generated tokens are not prompt rows (``ForwardBatch.prompt_rows``), so
         a prefill path gives them the same values decoding did.
 
-        Generation rows with a draft tree form one attention group padded to the largest tree;
-        plain rows form another of width 1, so a plain request next to speculating ones costs one
-        token, not a tree's width (``rows`` must list the tree rows first)."""
+        Generation rows form one attention group per tree width (plain rows: width 1), so no row is
+        padded: every tree row passes through every linear layer, and a padded one would cost as
+        much as a real one (a prompt-lookup beam makes widths differ between requests). ``rows``
+        must list equal widths next to each other, trees before plain rows."""
         ids, pos, slots, groups, logit_rows, last_rows = [], [], [], [], [], []
         n_rows, prompt_spans, recompute = 0, [], False
         for seq, start, n in context:
@@ -213,10 +215,9 @@ class ModelRunner:
             if start + n == seq.num_context_tokens and not seq.output_token_ids:
                 logit_rows.append(n_rows - 1)
         row_starts = []
-        for group in ([r for r in rows if r.tree is not None], [r for r in rows if r.tree is None]):
-            if not group:
-                continue
-            width = max(r.num_nodes for r in group)
+        for _, same_width in itertools.groupby(rows, key=lambda r: (r.tree is None, r.num_nodes)):
+            group = list(same_width)
+            width = group[0].num_nodes
             kv_len = max(r.length + width for r in group)
             trash = self.blocks.trash_slot
             g_ids = torch.zeros(len(group), width, dtype=torch.long)
@@ -238,7 +239,6 @@ class ModelRunner:
                     g_ids[i, :m] = r.tree.tokens
                     g_pos[i, :m] = L + r.tree.depths
                     mask[i, 0, :m, L : L + m] = r.tree.mask
-                mask[i, 0, m:, 0] = True  # padding rows attend to something (their output is unused)
                 row_starts.append(n_rows + i * width)
                 logit_rows.extend(range(n_rows + i * width, n_rows + i * width + m))
             run = self._run_start(group[0].seq, group[0].length + width) if len(group) == 1 else None

@@ -114,6 +114,31 @@ def test_greedy_output_does_not_depend_on_the_batch(tiny_model_dirs, trained_dra
     assert log.max_tokens_seen <= engine.options.max_num_tokens
 
 
+def test_trees_of_different_widths_batch_without_padding(tiny_model_dirs, trained_drafter_dirs):
+    """With a (growing) prompt-lookup beam, requests' trees differ in width within one iteration:
+    each width is its own attention group, no row is padded, and outputs still equal solo outputs."""
+    engine = make_engine(tiny_model_dirs, trained_drafter_dirs, "tied_gqa2@gguf", prompt_lookup_num_tokens=3,
+                         prompt_lookup_min=1, prompt_lookup_max_num_tokens=8)
+    rng = random.Random(7)
+    reqs = random_requests(rng, 24, len(engine.tokenizer))
+    want = {r["id"]: alone(engine, r) for r in reqs}
+    pack, mixed_widths = engine.runner._pack, []
+
+    def checked_pack(context, rows):
+        batch, *rest = pack(context, rows)
+        decode = [g for g in batch.groups if g.decode]
+        assert sum(g.batch * g.seq_len for g in decode) == sum(r.num_nodes for r in rows)  # no padding
+        assert len({g.seq_len for g in decode}) == len(decode)  # one group per width
+        if len({r.num_nodes for r in rows if r.tree is not None}) > 1:
+            mixed_widths.append(sorted(r.num_nodes for r in rows))
+        return (batch, *rest)
+
+    engine.runner._pack = checked_pack
+    got, _ = run_mixed(engine, reqs, random.Random(0))
+    assert got == want
+    assert len(mixed_widths) >= 5, f"trees of different widths met in only {len(mixed_widths)} iterations"
+
+
 @pytest.mark.parametrize("variant,prefill", [("tied_gqa2", "float32"), ("tied_gqa2@gguf", "bfloat16")])
 def test_preemption_and_aborts_keep_outputs_and_free_every_block(tiny_model_dirs, trained_drafter_dirs, variant,
                                                                  prefill):
