@@ -69,6 +69,12 @@ class EngineConfig(_Section):
         "(2-3x faster prefill, weights and activations rounded to bfloat16; decode steps and draft trees stay "
         "float32, so spec output still equals plain), 'float32' the float32 kernels; 'auto': bfloat16 where "
         "weights are gguf and the CPU has AMX bfloat16 tiles. See BENCHMARKS.md, 'Prefill in bfloat16'")
+    decode_activations: Literal["auto", "float32", "int8"] = Field(
+        "auto", description="activations of decode steps and draft-tree rows in the GGUF-block linears: 'int8' "
+        "(per 32 values, llama.cpp's Q8_1 activations on AVX512-VNNI: a tree row costs about a quarter of a "
+        "float32 one; output close to, not equal to, float32's; spec output still equals plain), 'float32' "
+        "(bit-identical to the dequantized model); 'auto': int8 where weights are gguf and the CPU has "
+        "AVX512-VNNI. See BENCHMARKS.md, 'Int8 activations'")
     tp_size: int = Field(1, ge=1, description="tensor-parallel ranks per replica")
     prompt_lookup_num_tokens: int = Field(
         4, ge=0, le=16, description="a prompt-lookup beam of this many tokens joins every draft tree: it copies "
@@ -271,6 +277,9 @@ class RdserveConfig(_Section):
             raise ValueError("engine.prefill_dtype: 'bfloat16' is for GGUF-block weights (engine.weights gguf/auto, "
                              "tp_size 1); float32 weights prefill in float32")
         eng = self.engine
+        if eng.decode_activations == "int8" and (eng.weights == "float32" or eng.tp_size > 1):
+            raise ValueError("engine.decode_activations: 'int8' is for GGUF-block weights (engine.weights gguf/auto, "
+                             "tp_size 1)")
         if eng.prompt_lookup_min > eng.prompt_lookup_max:
             raise ValueError(f"engine.prompt_lookup_min: {eng.prompt_lookup_min} is above engine.prompt_lookup_max "
                              f"{eng.prompt_lookup_max}")

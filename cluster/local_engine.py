@@ -32,7 +32,7 @@ def build_engine(cfg: RdserveConfig, tp_gpus: list[str] | None = None):
         tokens_per_block=eng.tokens_per_block, num_kv_blocks=eng.num_kv_blocks,
         kv_cache_fraction=eng.kv_cache_fraction,
         weights=eng.weights,
-        prefill_dtype=eng.prefill_dtype,
+        prefill_dtype=eng.prefill_dtype, decode_activations=eng.decode_activations,
         prompt_lookup_num_tokens=eng.prompt_lookup_num_tokens, prompt_lookup_min=eng.prompt_lookup_min,
         prompt_lookup_max=eng.prompt_lookup_max, prompt_lookup_max_num_tokens=eng.prompt_lookup_max_num_tokens,
         num_threads=num_threads(cfg),

@@ -26,7 +26,7 @@ from workers.engine_metrics import EngineStats, EngineStatsDelta
 from workers.executor import LocalExecutor
 from workers.model_runner import ModelRunner, RequestState
 from workers.kernels.prefill_bf16 import resolve_prefill_dtype
-from workers.models.gguf_weights import resolve_weights, use_bf16_prefill, use_gguf_weights
+from workers.models.gguf_weights import resolve_weights, use_bf16_prefill, use_gguf_weights, use_int8_activations
 from workers.models.loader import load_model
 from workers.models.tokenizer import apply_chat_template, load_tokenizer
 from workers.redrafter.drafter import load_drafter
@@ -39,6 +39,7 @@ from workers.stopping import OutputStream
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 MODES = ("spec", "plain")
+DECODE_ACTIVATIONS = ("auto", "float32", "int8")
 log = logging.getLogger(__name__)
 
 
@@ -89,6 +90,13 @@ class EngineOptions:
         in bfloat16 on oneDNN's AMX GEMM (:mod:`workers.kernels.prefill_bf16`); decode steps and draft
         trees stay float32. ``"auto"``: bfloat16 where the model is on GGUF blocks and the CPU has
         AMX bfloat16 tiles.
+    decode_activations: ``"float32"``, ``"int8"`` or ``"auto"``: activations of the rows GGUF-block
+        linears compute outside the bfloat16 prefill (decode steps, draft trees, recomputed tokens):
+        float32 (output bit-identical to the dequantized float32 model), or int8 per 32-value block,
+        llama.cpp's Q8_1 activations on AVX512-VNNI (:meth:`~workers.kernels.quant_linear.QuantLinear.
+        enable_int8_activations`: a tree row costs about a quarter of a float32 one). Each row still
+        depends on itself alone, so speculative output still equals plain output. ``"auto"``: int8
+        where the model is on GGUF blocks and the CPU has AVX512-VNNI.
     prompt_lookup_num_tokens: tokens of a prompt-lookup beam added to every draft tree (0: none),
         matched on n-grams of ``prompt_lookup_min`` to ``prompt_lookup_max`` tokens
         (:mod:`workers.redrafter.prompt_lookup`; vLLM's option names); after a step that accepted
@@ -111,6 +119,7 @@ class EngineOptions:
     tp_size: int = 1
     weights: str = "auto"
     prefill_dtype: str = "auto"
+    decode_activations: str = "float32"
     prompt_lookup_num_tokens: int = 0
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 3
@@ -136,7 +145,10 @@ class Engine:
         opts = replace(options or EngineOptions(), **overrides)
         if opts.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {opts.dtype!r}")
-        resolve_prefill_dtype(opts.prefill_dtype)  # a bad value fails before the model loads
+        resolve_prefill_dtype(opts.prefill_dtype)  # bad values fail before the model loads
+        if opts.decode_activations not in DECODE_ACTIVATIONS:
+            raise ValueError(f"decode_activations must be one of {', '.join(DECODE_ACTIVATIONS)}, "
+                             f"got {opts.decode_activations!r}")
         self.lookup = None if opts.prompt_lookup_num_tokens == 0 else PromptLookup(
             opts.prompt_lookup_min, opts.prompt_lookup_max, opts.prompt_lookup_num_tokens,
             opts.prompt_lookup_max_num_tokens)
@@ -149,6 +161,7 @@ class Engine:
         gguf = resolve_weights(opts.weights, model_path, opts.dtype, opts.device, opts.tp_size)
         self.weights = use_gguf_weights(model, gguf, strict=opts.weights == "gguf") if gguf else None
         self.prefill_dtype = self._prefill_path(model, opts.prefill_dtype)
+        self.decode_activations = self._decode_activations(model, opts.decode_activations)
         self.tokenizer = load_tokenizer(model_path)
         cfg = model.config
         self.config = cfg
@@ -201,6 +214,27 @@ class Engine:
             n = use_bf16_prefill(model)
             log.info("prefill: prompt rows of %d GGUF linears in bfloat16 (oneDNN AMX)", n)
         return prefill
+
+    def _decode_activations(self, model, setting: str) -> str:
+        """Resolve ``decode_activations`` and switch the GGUF linears to int8 activations when it is
+        int8; returns ``"int8"`` or ``"float32"``.
+
+        Raises:
+            ValueError: ``"int8"`` without GGUF-block weights.
+            KernelUnavailable: ``"int8"`` on a CPU without AVX512-VNNI (named).
+        """
+        if setting == "int8" and self.weights is None:
+            raise ValueError("decode_activations 'int8' needs the model on GGUF blocks (weights 'gguf', or 'auto' "
+                             "with a GGUF model)")
+        if setting == "auto":
+            from workers.kernels.build import missing_cpu_flags
+            from workers.kernels.quant_linear import INT8_CPU_FLAGS
+
+            setting = "int8" if self.weights is not None and not missing_cpu_flags(INT8_CPU_FLAGS) else "float32"
+        if setting == "int8":
+            n = use_int8_activations(model)
+            log.info("decode: %d GGUF linears take int8 activations (AVX512-VNNI)", n)
+        return setting
 
     def _size_cache(self, cfg, dtype) -> KVCacheSize:
         opts = self.options

@@ -75,6 +75,8 @@ def test_relative_paths_resolve_against_the_config_directory(tmp_path):
         ("engine: {prefill_dtype: fp8}", "engine.prefill_dtype: Input should be 'auto', 'float32' or 'bfloat16'"),
         ("engine: {prefill_dtype: bfloat16, weights: float32}", "engine.prefill_dtype: 'bfloat16' is for GGUF-block"),
         ("engine: {max_seq_len: 8}", "engine.max_seq_len"),
+        ("engine: {decode_activations: int4}", "engine.decode_activations: Input should be 'auto', 'float32' or 'int8'"),
+        ("engine: {decode_activations: int8, weights: float32}", "engine.decode_activations: 'int8' is for GGUF"),
         ("engine: {prompt_lookup_num_tokens: -1}", "engine.prompt_lookup_num_tokens"),
         ("engine: {prompt_lookup_min: 4, prompt_lookup_max: 3}", "engine.prompt_lookup_min: 4 is above"),
         ("engine: {prompt_lookup_num_tokens: 4, prompt_lookup_max_num_tokens: 3}",

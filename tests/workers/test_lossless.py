@@ -261,3 +261,35 @@ def test_greedy_spec_matches_plain_on_default_model(tmp_path, weights):
         spec = run(engine, prompt, params, "spec")
         assert_same(spec, plain, question)
         assert plain.completion_tokens >= 5
+
+
+def test_greedy_spec_matches_plain_on_int8_activations(tiny_model_dirs, trained_drafter_dirs):
+    """Decode rows and tree rows on the int8-activation kernel (llama.cpp's Q8_1 activations,
+    AVX512-VNNI): each row still depends on itself alone, so spec output equals plain output; 16
+    random cases, with and without a prompt-lookup beam. The output differs from the float32
+    kernel's somewhere, so the setting was really in effect."""
+    from workers.kernels.build import missing_cpu_flags
+    from workers.kernels.quant_linear import INT8_CPU_FLAGS
+
+    if missing_cpu_flags(INT8_CPU_FLAGS):
+        pytest.skip(f"needs AVX512-VNNI (this CPU lacks {', '.join(missing_cpu_flags(INT8_CPU_FLAGS))})")
+    multi, differs = 0, 0
+    for case in range(16):
+        rng = random.Random(2000 + case)
+        variant = weights_variant(VARIANTS[case % 2], "gguf")
+        shape = dict(num_beams=rng.randint(1, 4), draft_len_per_beam=rng.randint(1, 4),
+                     prompt_lookup_num_tokens=rng.choice([0, 4]), prompt_lookup_min=1, max_seq_len=256)
+        engine = Engine(str(tiny_model_dirs[variant]), str(trained_drafter_dirs[variant]),
+                        decode_activations="int8", **shape)
+        assert engine.decode_activations == "int8"
+        prompt = random_prompt(rng, len(engine.tokenizer))
+        params = SamplingParams(max_tokens=rng.randint(8, 48))
+        plain = run(engine, prompt, params, "plain")
+        spec = run(engine, prompt, params, "spec")
+        assert_same(spec, plain, f"case {case}: {variant} {shape}")
+        multi += sum(a >= 2 for a in spec.step_accepted)
+        if case < 4:
+            reference = Engine(str(tiny_model_dirs[variant]), None, max_seq_len=256, decode_activations="float32")
+            differs += run(reference, prompt, params, "plain").token_ids != plain.token_ids
+    assert multi >= 10, "the drafter was rarely accepted; the comparison is weak"
+    assert differs >= 1, "int8 activations gave the float32 kernel's output on every prompt: not in effect?"

@@ -15,6 +15,11 @@ before it is published (so a broken library never reaches a server), and a SHA-2
 it is checked before every load (a damaged file is rebuilt). It links the OpenMP runtime torch
 already loaded, so it uses torch's threads (``torch.set_num_threads``).
 
+The AVX512-VNNI kernels (``vnni_gemm.h``: ``q4_1_vnni.c``, ``q8_0_vnni.c``) are compiled into both
+variants through GCC's / Clang's ``target`` function attribute, not a command-line flag, so each
+library still loads on CPUs without VNNI; callers run them only where :func:`missing_cpu_flags`
+finds their flags.
+
 Without AVX2+FMA+F16C the build is refused and torch's GEMM is used. Set ``RDSERVE_CPU_KERNELS=0``
 to use torch's GEMM anyway.
 """
@@ -39,9 +44,9 @@ from workers.models.pull import cache_dir
 log = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
-SOURCES = [HERE / "packed_gemm.c", HERE / "q4_1_gemm.c", HERE / "q8_0_gemm.c", HERE / "rms_norm.c",
-           HERE / "decode_attention.c", HERE / "rope_kv.c"]
-HEADERS = [HERE / "simd.h", HERE / "panel_gemm.h"]
+SOURCES = [HERE / "packed_gemm.c", HERE / "q4_1_gemm.c", HERE / "q8_0_gemm.c", HERE / "q4_1_vnni.c",
+           HERE / "q8_0_vnni.c", HERE / "rms_norm.c", HERE / "decode_attention.c", HERE / "rope_kv.c"]
+HEADERS = [HERE / "simd.h", HERE / "panel_gemm.h", HERE / "vnni_gemm.h"]
 FLAGS = ["-O3", "-mtune=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 ISA_FLAGS = {
     "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"],
@@ -59,6 +64,11 @@ def supported_isas() -> list[str]:
     """The kernel variants this CPU can run, best first (``["avx512", "avx2"]``, ``["avx2"]`` or ``[]``)."""
     flags = set(_cpu_flags().split())
     return [isa for isa in ISA_FLAGS if ISA_CPU_FLAGS[isa] <= flags]
+
+
+def missing_cpu_flags(needed: set[str]) -> list[str]:
+    """The flags of ``needed`` (as ``/proc/cpuinfo`` spells them, e.g. ``avx512_vnni``) this CPU lacks, sorted."""
+    return sorted(needed - set(_cpu_flags().split()))
 
 
 def active_isa() -> str:
@@ -212,11 +222,13 @@ def kernel(isa: str, name: str):
 def run_linear(fn, x: "torch.Tensor", panels: "torch.Tensor", bias: "torch.Tensor | None", in_features: int,
                out_features: int):
     """``y[..., out_features] = x[..., in_features] @ W^T (+ bias)`` through the C entry point ``fn``
-    (any ``rd_linear_*``: ``fn(x, w, bias, y, M, K, N)``). Called ~120 times per decoding step, so a
-    2-D contiguous ``x`` is passed as is and ``y`` returned without a view.
+    (any ``rd_linear_*``: ``fn(x, w, bias, y, M, K, N)``, returning nothing, or nonzero when it could
+    not allocate its scratch memory). Called ~120 times per decoding step, so a 2-D contiguous ``x``
+    is passed as is and ``y`` returned without a view.
 
     Raises:
         ValueError: ``x``'s last dimension is not ``in_features``.
+        MemoryError: the kernel could not allocate its scratch memory.
     """
     import torch
 
@@ -225,9 +237,9 @@ def run_linear(fn, x: "torch.Tensor", panels: "torch.Tensor", bias: "torch.Tenso
     x2 = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, in_features).contiguous()
     M = x2.shape[0]
     y = torch.empty((M, out_features))
-    if M:
-        fn(x2.data_ptr(), panels.data_ptr(), 0 if bias is None else bias.data_ptr(), y.data_ptr(), M,
-           in_features, out_features)
+    if M and fn(x2.data_ptr(), panels.data_ptr(), 0 if bias is None else bias.data_ptr(), y.data_ptr(), M,
+                in_features, out_features):
+        raise MemoryError(f"the kernel could not allocate scratch memory for {M} x {in_features} inputs")
     return y if x2 is x else y.view(*x.shape[:-1], out_features)
 
 
@@ -241,9 +253,9 @@ def _load_once(isa: str) -> tuple[ctypes.CDLL | None, KernelUnavailable | None]:
         return None, e
     except (OSError, subprocess.SubprocessError) as e:
         return None, KernelUnavailable(f"cannot build or load the kernel library: {e}")
-    for name in ("rd_linear_packed", "rd_linear_q4_1", "rd_linear_q8_0"):
+    for name in ("rd_linear_packed", "rd_linear_q4_1", "rd_linear_q8_0", "rd_linear_q4_1_vnni", "rd_linear_q8_0_vnni"):
         getattr(lib, name).argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3
-        getattr(lib, name).restype = None
+        getattr(lib, name).restype = ctypes.c_int if name.endswith("_vnni") else None
     P, L, F = ctypes.c_void_p, ctypes.c_long, ctypes.c_float
     lib.rd_rms_norm.argtypes = [P] * 4 + [L] * 2 + [F]
     lib.rd_rms_norm.restype = None

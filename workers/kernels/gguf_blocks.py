@@ -12,7 +12,9 @@ Panel layouts (``q4_1_gemm.c``, ``q8_0_gemm.c``): ``[ceil(N / 32), K / 32, PANEL
 for each panel of 32 rows and k-block the 32 rows' scales side by side, then the quantized values
 k-row by k-row (Q4_1: row ``i`` in the low 4 bits and row ``16 + i`` in the high 4 bits of byte
 ``i``). Rows past ``N`` are zero. The same bytes per weight as the file, every value as shipped.
-Panels are allocated on huge pages (:mod:`workers.kernels.hugepages`).
+Panels are allocated on huge pages (:mod:`workers.kernels.hugepages`). :func:`reorder_for_vnni`
+regroups panels in place for the int8-activation kernels (``q4_1_vnni.c``, ``q8_0_vnni.c``): each
+k-block's quantized bytes by groups of 4 consecutive k, the same bytes per weight.
 """
 
 from __future__ import annotations
@@ -69,19 +71,47 @@ def panels_from_blocks(fmt: str, raw: np.ndarray) -> torch.Tensor:
     return out
 
 
-def dequantize_panels(fmt: str, panels: torch.Tensor, n: int) -> torch.Tensor:
-    """Panels (see :func:`panels_from_blocks`) -> float32 ``[n, K]``, the weights the kernels compute
-    with (float32 ``d * q + m`` / ``d * q``, as gguf-py's ``dequantize``)."""
+def reorder_for_vnni(fmt: str, panels: torch.Tensor) -> None:
+    """Reorder panels (uint8 ``[P, K / 32, PANEL_BLOCK_BYTES[fmt]]`` of :func:`panels_from_blocks`) in
+    place into the int8-activation kernels' layout, groups of 4 consecutive k ``kk = 4 g + t``:
+
+    * Q4_1 (``q4_1_vnni.c``): the byte of k-row ``kk``, column pair ``i`` (row ``i`` low nibble,
+      row ``16 + i`` high) moves from ``q[kk][i]`` to ``q[g][i][t]``;
+    * Q8_0 (``q8_0_vnni.c``): ``q[kk][16 h + i]`` moves to ``q[g][h][i][t]`` and becomes unsigned,
+      ``qs + 128``.
+
+    So one 64-byte vector holds in its int32 lane ``i`` 4 consecutive k of its rows. Scales stay
+    where they are; every value is kept.
+    """
+    p = panels.numpy()
+    count, nb = p.shape[:2]
+    if fmt == "Q4_1":
+        q = p[..., 128:]
+        q[...] = q.reshape(count, nb, QK // 4, 4, PANEL // 2).swapaxes(3, 4).reshape(q.shape)
+    else:
+        q = p[..., 64:]
+        q[...] = q.reshape(count, nb, QK // 4, 4, 2, PANEL // 2).transpose(0, 1, 2, 4, 5, 3).reshape(q.shape) ^ 128
+
+
+def dequantize_panels(fmt: str, panels: torch.Tensor, n: int, vnni: bool = False) -> torch.Tensor:
+    """Panels (see :func:`panels_from_blocks`; with ``vnni``, after :func:`reorder_for_vnni`) ->
+    float32 ``[n, K]``, the weights the kernels compute with (float32 ``d * q + m`` / ``d * q``, as
+    gguf-py's ``dequantize``)."""
     p = panels.numpy()
     count, nb = p.shape[:2]
     d = p[..., 0:64].copy().view(np.float16).astype(np.float32)[:, :, None, :]  # [P, nb, 1, j]
     if fmt == "Q4_1":
         m = p[..., 64:128].copy().view(np.float16).astype(np.float32)[:, :, None, :]
         qb = p[..., 128:].reshape(count, nb, QK, PANEL // 2)
+        if vnni:
+            qb = qb.reshape(count, nb, QK // 4, PANEL // 2, 4).swapaxes(3, 4).reshape(qb.shape)
         q = np.concatenate([qb & 15, qb >> 4], axis=-1).astype(np.float32)  # [P, nb, kk, j]
         w = d * q + m
     elif fmt == "Q8_0":
-        w = d * p[..., 64:].copy().view(np.int8).reshape(count, nb, QK, PANEL).astype(np.float32)
+        q = p[..., 64:].reshape(count, nb, QK, PANEL)
+        if vnni:
+            q = (q.reshape(count, nb, QK // 4, 2, PANEL // 2, 4).transpose(0, 1, 2, 5, 3, 4) ^ 128).reshape(q.shape)
+        w = d * q.copy().view(np.int8).astype(np.float32)
     else:
         raise ValueError(f"unsupported block format {fmt!r}; supported: {', '.join(FORMATS)}")
     w = np.moveaxis(w, 3, 1).reshape(count * PANEL, nb * QK)  # [P, j, nb, kk] -> rows 32 p + j

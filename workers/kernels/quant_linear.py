@@ -8,7 +8,9 @@ output exactly as the float32 packed kernel does, and the GGUF weights dequantiz
 float32, so a :class:`QuantLinear` returns bit for bit what :class:`~workers.kernels.packed_linear.
 PackedLinear` returns on the dequantized weights, and every row's result is independent of the
 other rows. Activations stay float32, except the prompt rows of a prefill on the bfloat16 path
-(:meth:`QuantLinear.enable_bf16_prefill`, :mod:`workers.kernels.prefill_bf16`).
+(:meth:`QuantLinear.enable_bf16_prefill`, :mod:`workers.kernels.prefill_bf16`) and, when switched
+on, every other row on the int8-activation path (:meth:`QuantLinear.enable_int8_activations`,
+``vnni_gemm.h``: llama.cpp's Q4_1 x Q8_1 and Q8_0 x Q8_0 dot products on AVX512-VNNI).
 """
 
 from __future__ import annotations
@@ -17,10 +19,12 @@ import numpy as np
 import torch
 
 from workers.kernels import build
-from workers.kernels.gguf_blocks import FORMATS, dequantize_panels, panels_from_blocks
+from workers.kernels.gguf_blocks import FORMATS, dequantize_panels, panels_from_blocks, reorder_for_vnni
 from workers.kernels.prefill_bf16 import prefill_linear
 
 _ENTRY = {"Q4_1": "rd_linear_q4_1", "Q8_0": "rd_linear_q8_0"}
+_INT8_ENTRY = {"Q4_1": "rd_linear_q4_1_vnni", "Q8_0": "rd_linear_q8_0_vnni"}
+INT8_CPU_FLAGS = {"avx512f", "avx512bw", "avx512_vnni"}  # vnni_gemm.h's instructions, as /proc/cpuinfo names them
 
 
 class QuantLinear(torch.nn.Module):
@@ -57,23 +61,49 @@ class QuantLinear(torch.nn.Module):
         self._weight = tied_weight
         self.isa = build.load()  # fail here, not in the first forward
         self.prefill_weight: torch.Tensor | None = None  # bfloat16 [N, K] once enable_bf16_prefill()
+        self.int8_activations = False  # True once enable_int8_activations()
+        self._entry = _ENTRY[fmt]
 
     def enable_bf16_prefill(self) -> None:
         """Keep a bfloat16 copy of the dequantized weight (2 bytes per weight) for prompt rows
         (``forward(x, prefill_rows)``; :mod:`workers.kernels.prefill_bf16`)."""
         self.prefill_weight = self.weight.detach().to(torch.bfloat16).contiguous()
 
+    def enable_int8_activations(self) -> None:
+        """From now on, compute the rows :meth:`forward` does not send to the bfloat16 prefill path
+        with activations quantized to int8 (``vnni_gemm.h``; llama.cpp's Q8_1 activations): per row
+        and block of 32 k, scale ``s = max|x| / 127`` (float32) and ``a = round(x / s)`` in
+        ``[-127, 127]`` (``x * (1 / s)`` rounded half to even, as ``quantize_row_q8_1``). Each
+        output is then ``sum_b s_b * sum_k w a`` over the k-blocks ``b`` in order, the inner sum
+        exact in integers (AVX512-VNNI ``vpdpbusd``, 64 products per instruction) and rounded once
+        to float32, then ``+ bias``. A row's result still depends on that row alone (not on M, its
+        neighbours or the thread count), but no longer equals the float32 kernel's: the error is
+        that of int8 activations (~0.5% of the output's norm with Gaussian activations; the tests
+        measure it). Reorders the panels in place (same bytes per weight, :func:`~workers.kernels.
+        gguf_blocks.reorder_for_vnni`); :attr:`weight` is unchanged. Idempotent.
+
+        Raises:
+            KernelUnavailable: the CPU lacks AVX512-VNNI (or AVX512F / AVX512BW); the message names it.
+        """
+        missing = build.missing_cpu_flags(INT8_CPU_FLAGS)
+        if missing:
+            raise build.KernelUnavailable(f"int8 activations need AVX512-VNNI; this CPU lacks {', '.join(missing)}")
+        if not self.int8_activations:
+            reorder_for_vnni(self.fmt, self.panels)
+            self.int8_activations, self._entry = True, _INT8_ENTRY[self.fmt]
+
     @property
     def weight(self) -> torch.Tensor:
         """The dequantized float32 weight ``[N, K]`` (a new tensor unless tied)."""
         if self._weight is not None:
             return self._weight
-        return dequantize_panels(self.fmt, self.panels, self.out_features)
+        return dequantize_panels(self.fmt, self.panels, self.out_features, vnni=self.int8_activations)
 
     def forward(self, x: torch.Tensor, prefill_rows: int | torch.Tensor = 0) -> torch.Tensor:
         """x: float32 ``[M, K]`` (or ``[..., K]``) -> ``[M, N]``. ``prefill_rows``: the prompt rows, a
         count of leading rows or ``[P] long`` row indices; with :meth:`enable_bf16_prefill` they take
-        the bfloat16 GEMM, the others (decode steps, draft trees) these float32 kernels."""
+        the bfloat16 GEMM, the others (decode steps, draft trees) these float32-activation kernels, or
+        after :meth:`enable_int8_activations` the int8-activation kernel."""
         if self.prefill_weight is not None and (isinstance(prefill_rows, torch.Tensor) or prefill_rows):
             return self._split_forward(x, prefill_rows)
         # called ~120 times per decoding step: cheap checks, no reshape/view for 2-D contiguous input
@@ -82,8 +112,8 @@ class QuantLinear(torch.nn.Module):
         panels = self._buffers["panels"]
         if panels.dtype != torch.uint8 or not panels.is_cpu:
             raise RuntimeError("QuantLinear blocks were moved or cast (.to/.half/...); they are CPU-only")
-        return build.run_linear(build.kernel(self.isa, _ENTRY[self.fmt]), x, panels, self.bias,
-                                self.in_features, self.out_features)
+        return build.run_linear(build.kernel(self.isa, self._entry), x, panels, self.bias, self.in_features,
+                                self.out_features)
 
     def _split_forward(self, x: torch.Tensor, rows: int | torch.Tensor) -> torch.Tensor:
         if not isinstance(rows, torch.Tensor):
@@ -106,4 +136,4 @@ class QuantLinear(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return (f"fmt={self.fmt}, in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.bias is not None}")
+                f"bias={self.bias is not None}, int8_activations={self.int8_activations}")

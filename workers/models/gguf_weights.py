@@ -204,3 +204,20 @@ def use_bf16_prefill(model: torch.nn.Module) -> int:
             module.enable_bf16_prefill()
             n += 1
     return n
+
+
+def use_int8_activations(model: torch.nn.Module) -> int:
+    """Put every GGUF-block linear of ``model`` (decoder layers and LM head) on the int8-activation
+    kernel for the rows that do not take the bfloat16 prefill path: decode steps, draft trees,
+    recomputed tokens (:meth:`~workers.kernels.quant_linear.QuantLinear.enable_int8_activations`).
+    Returns how many.
+
+    Raises:
+        KernelUnavailable: the CPU lacks AVX512-VNNI (named).
+    """
+    from workers.kernels.quant_linear import QuantLinear
+
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    for module in layers:
+        module.enable_int8_activations()
+    return len(layers)
