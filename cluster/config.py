@@ -283,6 +283,13 @@ class RdserveConfig(_Section):
         if eng.prompt_lookup_min > eng.prompt_lookup_max:
             raise ValueError(f"engine.prompt_lookup_min: {eng.prompt_lookup_min} is above engine.prompt_lookup_max "
                              f"{eng.prompt_lookup_max}")
+        if eng.prompt_lookup_max_num_tokens is not None and eng.prompt_lookup_num_tokens == 0:
+            raise ValueError("engine.prompt_lookup_max_num_tokens: set, but engine.prompt_lookup_num_tokens is 0 "
+                             "(no lookup beam to grow)")
+        longest = (eng.prompt_lookup_max_num_tokens or eng.prompt_lookup_num_tokens) if eng.prompt_lookup_num_tokens else 0
+        if 1 + eng.num_beams * eng.draft_len_per_beam + longest > eng.max_num_tokens:
+            raise ValueError(f"engine.max_num_tokens: {eng.max_num_tokens} cannot hold one draft tree of "
+                             f"1 + {eng.num_beams} x {eng.draft_len_per_beam} tokens plus a {longest}-token lookup beam")
         if eng.prompt_lookup_max_num_tokens is not None and eng.prompt_lookup_max_num_tokens < eng.prompt_lookup_num_tokens:
             raise ValueError(f"engine.prompt_lookup_max_num_tokens: {eng.prompt_lookup_max_num_tokens} is below "
                              f"engine.prompt_lookup_num_tokens {eng.prompt_lookup_num_tokens}")

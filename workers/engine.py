@@ -146,6 +146,10 @@ class Engine:
         if opts.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {opts.dtype!r}")
         resolve_prefill_dtype(opts.prefill_dtype)  # bad values fail before the model loads
+        if opts.prompt_lookup_num_tokens < 0:
+            raise ValueError(f"prompt_lookup_num_tokens must be >= 0 (0: no lookup beam), got {opts.prompt_lookup_num_tokens}")
+        if opts.prompt_lookup_max_num_tokens is not None and opts.prompt_lookup_num_tokens == 0:
+            raise ValueError("prompt_lookup_max_num_tokens is set but prompt_lookup_num_tokens is 0 (no lookup beam)")
         if opts.decode_activations not in DECODE_ACTIVATIONS:
             raise ValueError(f"decode_activations must be one of {', '.join(DECODE_ACTIVATIONS)}, "
                              f"got {opts.decode_activations!r}")
@@ -225,7 +229,8 @@ class Engine:
         """
         if setting == "int8" and self.weights is None:
             raise ValueError("decode_activations 'int8' needs the model on GGUF blocks (weights 'gguf', or 'auto' "
-                             "with a GGUF model)")
+                             f"with a GGUF model, and tp_size 1; got weights {self.options.weights!r}, "
+                             f"tp_size {self.options.tp_size})")
         if setting == "auto":
             from workers.kernels.build import missing_cpu_flags
             from workers.kernels.quant_linear import INT8_CPU_FLAGS

@@ -43,7 +43,10 @@ class SchedulerConfig:
     max_seq_len: positions a sequence may use (the model's context length); draft trees that would
         pass it are skipped; None = unlimited.
     lookup_tokens: tree slots a speculative step reserves beyond ``num_beams * draft_len_per_beam``
-        for its prompt-lookup beam (:mod:`workers.redrafter.prompt_lookup`); 0 = none.
+        for its prompt-lookup beam (:mod:`workers.redrafter.prompt_lookup`); 0 = none. A sequence
+        whose beam has grown (``seq.extra["lookup_len"]``, kept by the model runner, which drafts
+        exactly that many) reserves its own length instead, so a long beam costs budget only while
+        it is long.
     """
 
     max_batch_size: int
@@ -161,12 +164,13 @@ class Scheduler:
         plan = SchedulePlan()
         generating = [s for s in self.running if not s.is_prefill]
         shape = policy.shape_for(len(generating))
-        tree_tokens = shape[0] * shape[1] + self.config.lookup_tokens if shape else 0
+        tree_tokens = shape[0] * shape[1] if shape else 0
         for seq in generating:
             if seq.status is SequenceStatus.RUNNING:
                 drafts = bool(tree_tokens) and seq.speculative and policy.drafts(
                     seq.extra.get("spec_state"), len(generating), shape)
-                self._plan_generation(seq, tree_tokens if drafts else 0, plan)
+                lookup = seq.extra.get("lookup_len", self.config.lookup_tokens) if self.config.lookup_tokens else 0
+                self._plan_generation(seq, tree_tokens + lookup if drafts else 0, plan)
         self._plan_context_phase(plan)
         plan.spec_shape = shape if any(plan.draft_tokens) else None  # preemption may drop trees
         return plan

@@ -233,3 +233,15 @@ def test_bf16_prefill_needs_gguf_weights(tiny_model_dirs, trained_drafter_dirs):
     with pytest.raises(ValueError, match="prefill_dtype 'bfloat16' needs the model on GGUF blocks"):
         make_engine(tiny_model_dirs, trained_drafter_dirs, "tied_gqa2", prefill_dtype="bfloat16")
     assert make_engine(tiny_model_dirs, trained_drafter_dirs, "tied_gqa2", prefill_dtype="auto").prefill_dtype == "float32"
+
+
+def test_int8_activations_and_lookup_settings_fail_clearly(tiny_model_dirs, trained_drafter_dirs):
+    with pytest.raises(ValueError, match="decode_activations 'int8' needs the model on GGUF blocks.*tp_size 1"):
+        make_engine(tiny_model_dirs, trained_drafter_dirs, "tied_gqa2", decode_activations="int8")
+    assert make_engine(tiny_model_dirs, trained_drafter_dirs, "tied_gqa2").decode_activations == "float32"
+    with pytest.raises(ValueError, match="decode_activations must be one of"):
+        make_engine(tiny_model_dirs, trained_drafter_dirs, "tied_gqa2", decode_activations="int4")
+    with pytest.raises(ValueError, match=r"prompt_lookup_num_tokens must be >= 0 \(0: no lookup beam\)"):
+        make_engine(tiny_model_dirs, trained_drafter_dirs, "tied_gqa2", prompt_lookup_num_tokens=-1)
+    with pytest.raises(ValueError, match="prompt_lookup_max_num_tokens is set but prompt_lookup_num_tokens is 0"):
+        make_engine(tiny_model_dirs, trained_drafter_dirs, "tied_gqa2", prompt_lookup_max_num_tokens=8)

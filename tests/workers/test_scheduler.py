@@ -104,6 +104,9 @@ def test_a_prompt_lookup_beam_reserves_its_slots_and_counts_against_the_budget()
     tight.add(b)
     run_context(tight.schedule())
     assert tight.schedule(SPEC_2X2).draft_tokens == [0]  # 1 + 7 tokens > 7: a plain step
+    a.extra["lookup_len"] = 1  # a grown (or reset) beam reserves its own length, not the start length
+    run_generation(plan)
+    assert sched.schedule(SPEC_2X2).draft_tokens == [5]
     with pytest.raises(ValueError, match="lookup_tokens"):
         SchedulerConfig(max_batch_size=1, max_num_tokens=8, lookup_tokens=-1)
 

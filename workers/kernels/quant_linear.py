@@ -79,7 +79,8 @@ class QuantLinear(torch.nn.Module):
         to float32, then ``+ bias``. A row's result still depends on that row alone (not on M, its
         neighbours or the thread count), but no longer equals the float32 kernel's: the error is
         that of int8 activations (~0.5% of the output's norm with Gaussian activations; the tests
-        measure it). Reorders the panels in place (same bytes per weight, :func:`~workers.kernels.
+        measure it). A NaN activation is not propagated: it quantizes to -127 (a float32 row would
+        give NaN outputs). Reorders the panels in place (same bytes per weight, :func:`~workers.kernels.
         gguf_blocks.reorder_for_vnni`); :attr:`weight` is unchanged. Idempotent.
 
         Raises:

@@ -77,7 +77,13 @@ class NgramIndex:
 
     def sync(self, tokens: list[int]) -> None:
         """Add the tail of ``tokens`` (the request's prompt + output so far) not seen yet; the
-        tokens already indexed must be its prefix (a request's tokens only grow)."""
+        tokens already indexed must be its prefix (a request's tokens only grow).
+
+        Raises:
+            ValueError: ``tokens`` is shorter than what is indexed.
+        """
+        if len(tokens) < len(self.tokens):
+            raise ValueError(f"the context shrank from {len(self.tokens)} to {len(tokens)} tokens; a request's tokens only grow")
         self.tokens.extend(tokens[len(self.tokens):])
         t, last_end = self.tokens, self._last_end
         for end in range(self._indexed, len(t) - 1):  # n-grams ending at ``end`` now have a follower

@@ -65,6 +65,13 @@ def test_incremental_sync_matches_the_definition(seed):
         tokens = tokens + [rng.randrange(vocab) for _ in range(rng.randint(0, 4))]
 
 
+def test_a_context_that_shrinks_is_an_error():
+    index = NgramIndex(1, 2)
+    index.sync([1, 2, 3])
+    with pytest.raises(ValueError, match="shrank"):
+        index.sync([1, 2])
+
+
 def test_the_beam_doubles_after_a_whole_beam_was_accepted_and_resets_otherwise():
     grow = PromptLookup(2, 3, 4, max_num_tokens=12)
     assert (grow.longest, grow.next_length(4, True), grow.next_length(8, True), grow.next_length(12, True)) == (12, 8, 12, 12)
