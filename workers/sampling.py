@@ -41,7 +41,9 @@ def adjusted_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
         one_hot = torch.zeros_like(logits, dtype=torch.float32)
         return one_hot.scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
     logits = logits.float()
-    scaled = (logits - logits.amax(dim=-1, keepdim=True)) / params.temperature  # no inf/inf at tiny T
+    # no inf/inf at tiny T; and a T below float32's range (e.g. 1e-300) would round to 0 and give 0/0
+    temperature = max(params.temperature, torch.finfo(torch.float32).tiny)
+    scaled = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
     if params.top_k <= 0 and params.top_p >= 1.0:
         return torch.softmax(scaled, dim=-1)
     sorted_logits, order = torch.sort(scaled, dim=-1, descending=True, stable=True)

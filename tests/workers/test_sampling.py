@@ -85,3 +85,13 @@ def test_sample_is_reproducible_and_respects_support():
 def test_make_generator_unseeded_differs():
     draws = {torch.rand(1, generator=make_generator(None)).item() for _ in range(5)}
     assert len(draws) > 1
+
+
+@pytest.mark.parametrize("temperature", [1e-300, 5e-324, 1e-40, 1e-8])
+def test_tiny_temperatures_give_a_distribution_not_nan(temperature):
+    """A temperature below float32's range (the API accepts any value in [0, 2]) must not round to
+    0 and divide 0 by 0: it samples (almost surely) the argmax."""
+    logits = torch.tensor([[1.0, 3.0, 2.0, 3.0 - 1e-3]])
+    probs = adjusted_probs(logits, SamplingParams(temperature=temperature))
+    assert torch.isfinite(probs).all() and torch.allclose(probs.sum(-1), torch.ones(1))
+    assert int(probs.argmax()) == 1 and float(probs[0, 1]) > 0.99
