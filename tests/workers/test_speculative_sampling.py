@@ -68,6 +68,17 @@ def chi2_pvalue(a: Counter, b: Counter, min_count: int = 10) -> float:
     return chi2_contingency(table)[1]
 
 
+def assert_same_distribution(spec: list[tuple], plain: list[tuple], positions: int, joint: slice) -> None:
+    """Chi-square at each output position, and on the tokens at ``joint`` taken together."""
+    for pos in range(positions):
+        a, b = Counter(o[pos] for o in spec), Counter(o[pos] for o in plain)
+        assert len(a | b) >= 2, "degenerate distribution: the test would be vacuous"
+        p = chi2_pvalue(a, b)
+        assert p > 1e-3, f"position {pos}: p={p:.2e}"
+    p = chi2_pvalue(Counter(o[joint] for o in spec), Counter(o[joint] for o in plain))
+    assert p > 1e-3, f"tokens {joint.start}..{joint.stop - 1} together: p={p:.2e}"
+
+
 @pytest.mark.parametrize(
     "params, prompt_seed, weights",
     [
@@ -85,13 +96,7 @@ def test_spec_sampling_matches_plain_distribution(engines, params, prompt_seed, 
     plain, _ = outputs(engine, prompt, params, "plain", master_seed=2)
     assert all(len(o) == MAX_TOKENS for o in spec + plain)
     assert spec_accepting >= RUNS // 4, f"drafts accepted in only {spec_accepting}/{RUNS} runs"
-    for pos in range(MAX_TOKENS):
-        a, b = Counter(o[pos] for o in spec), Counter(o[pos] for o in plain)
-        assert len(a | b) >= 2, "degenerate distribution: the test would be vacuous"
-        p = chi2_pvalue(a, b)
-        assert p > 1e-3, f"position {pos}: p={p:.2e}"
-    p = chi2_pvalue(Counter(o[2:4] for o in spec), Counter(o[2:4] for o in plain))
-    assert p > 1e-3, f"(token 2, token 3) pairs: p={p:.2e}"
+    assert_same_distribution(spec, plain, MAX_TOKENS, slice(2, 4))
 
 
 def test_spec_sampling_with_a_prompt_lookup_beam_matches_plain_distribution(tiny_model_dirs, trained_drafter_dirs):
@@ -114,13 +119,7 @@ def test_spec_sampling_with_a_prompt_lookup_beam_matches_plain_distribution(tiny
     plain, _ = outputs(engine, prompt, params, "plain", master_seed=2)
     assert deep_runs >= RUNS // 10, f"the lookup beam was accepted past depth 1 in only {deep_runs}/{RUNS} runs"
     assert all(len(o) == 8 for o in spec + plain)
-    for pos in range(8):
-        a, b = Counter(o[pos] for o in spec), Counter(o[pos] for o in plain)
-        assert len(a | b) >= 2, "degenerate distribution: the test would be vacuous"
-        p = chi2_pvalue(a, b)
-        assert p > 1e-3, f"position {pos}: p={p:.2e}"
-    p = chi2_pvalue(Counter(o[2:5] for o in spec), Counter(o[2:5] for o in plain))
-    assert p > 1e-3, f"(token 2, 3, 4) triples: p={p:.2e}"
+    assert_same_distribution(spec, plain, 8, slice(2, 5))
 
 
 def test_spec_sampling_detects_a_biased_sampler(engine):

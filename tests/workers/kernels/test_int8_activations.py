@@ -19,7 +19,7 @@ from workers.kernels.prefill_bf16 import prefill_linear
 from workers.kernels.quant_linear import INT8_CPU_FLAGS, QuantLinear
 
 pytestmark = pytest.mark.skipif(bool(build.missing_cpu_flags(INT8_CPU_FLAGS)),
-                                reason=f"this CPU lacks {build.missing_cpu_flags(INT8_CPU_FLAGS)}")
+                                reason=f"needs AVX512-VNNI (this CPU lacks {', '.join(build.missing_cpu_flags(INT8_CPU_FLAGS))})")
 
 FORMATS = ("Q4_1", "Q8_0")
 ROWS = 12  # vnni_gemm.h's rows per register block
