@@ -183,7 +183,7 @@ class ModelRunner:
         index = seq.extra.get("lookup")
         if index is None:
             index = seq.extra["lookup"] = NgramIndex(self.lookup.min_n, self.lookup.max_n)
-        index.sync(seq.prompt_token_ids + seq.output_token_ids)
+        index.sync(seq.prompt_token_ids, seq.output_token_ids)
         return index.propose(num_tokens)
 
     def _pack(self, context, rows: list[_GenRow]) -> tuple[ForwardBatch, list[int], list[int], list[int]]:

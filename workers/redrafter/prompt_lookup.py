@@ -75,16 +75,22 @@ class NgramIndex:
         self._last_end: dict[tuple[int, ...], int] = {}  # n-gram -> index of its last token
         self._indexed = 0  # n-grams ending before this index are in _last_end
 
-    def sync(self, tokens: list[int]) -> None:
-        """Add the tail of ``tokens`` (the request's prompt + output so far) not seen yet; the
-        tokens already indexed must be its prefix (a request's tokens only grow).
+    def sync(self, tokens: list[int], more: list[int] = ()) -> None:
+        """Add the tail of ``tokens + more`` (the request's prompt, and its output so far) not seen
+        yet, without joining the two lists; the tokens already indexed must be its prefix (a
+        request's tokens only grow).
 
         Raises:
-            ValueError: ``tokens`` is shorter than what is indexed.
+            ValueError: ``tokens + more`` is shorter than what is indexed.
         """
-        if len(tokens) < len(self.tokens):
-            raise ValueError(f"the context shrank from {len(self.tokens)} to {len(tokens)} tokens; a request's tokens only grow")
-        self.tokens.extend(tokens[len(self.tokens):])
+        have, n = len(self.tokens), len(tokens) + len(more)
+        if n < have:
+            raise ValueError(f"the context shrank from {have} to {n} tokens; a request's tokens only grow")
+        if have < len(tokens):
+            self.tokens.extend(tokens[have:])
+            self.tokens.extend(more)
+        else:
+            self.tokens.extend(more[have - len(tokens):])
         t, last_end = self.tokens, self._last_end
         for end in range(self._indexed, len(t) - 1):  # n-grams ending at ``end`` now have a follower
             for n in range(self.min_n, min(self.max_n, end + 1) + 1):
