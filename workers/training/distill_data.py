@@ -6,7 +6,8 @@ the position before ``y_i`` (the state whose LM-head argmax is ``y_i``). A draft
 ``(g_i, y_i) -> y_{i+1..i+K}`` sees exactly what it sees while serving: the context of the last
 accepted token and the root token the base model chose.
 
-Generation is batched (``batch_size`` rows decoded together with per-row lengths) and resumable:
+Generation is batched (``batch_size`` rows decoded together with per-row lengths; a row that has
+finished leaves the batch) and resumable:
 prompts are taken in chunks of ``chunk_size`` in the given order, each chunk sorted by length and
 batched; each finished batch is one ``shard-CCC-BBBBB.pt`` file. Extending the prompt list keeps
 the chunks already generated, so more data can be added later.
@@ -46,23 +47,26 @@ def generate_batch(
     done = [t in eos_ids for t in last_tok]
     row_base = torch.arange(B)[:, None] * max_len
     for _ in range(max_new_tokens - 1):
-        if all(done):
+        # Finished rows leave the batch (their KV slots stay where they are), so a long answer does
+        # not keep a full batch of finished rows computing until it ends.
+        active = [b for b in range(B) if not done[b]]
+        if not active:
             break
-        length = torch.tensor(lengths)
+        idx = torch.tensor(active)
+        length = torch.tensor([lengths[b] for b in active])
         kv_len = int(length.max()) + 1
-        kv_slots = row_base + torch.arange(kv_len)[None, :]
+        kv_slots = row_base[idx] + torch.arange(kv_len)[None, :]
         mask = (torch.arange(kv_len)[None, :] <= length[:, None])[:, None, None, :]
-        inp = torch.tensor([o[-1] for o in outputs])
-        batch = ForwardBatch(inp, length, row_base[:, 0] + length, [AttentionGroup(0, B, 1, kv_slots, mask)])
+        inp = torch.tensor([outputs[b][-1] for b in active])
+        n = len(active)
+        batch = ForwardBatch(inp, length, row_base[idx, 0] + length, [AttentionGroup(0, n, 1, kv_slots, mask)])
         h = model(cache, batch)
         nxt = model.logits(h).argmax(-1).tolist()
-        for b in range(B):
-            if done[b]:
-                continue
+        for r, b in enumerate(active):
             lengths[b] += 1
-            outputs[b].append(nxt[b])
-            hiddens[b].append(h[b].half())
-            done[b] = nxt[b] in eos_ids
+            outputs[b].append(nxt[r])
+            hiddens[b].append(h[r].half())
+            done[b] = nxt[r] in eos_ids
     return [(outputs[b], torch.stack(hiddens[b])) for b in range(B)]
 
 
