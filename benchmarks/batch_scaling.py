@@ -16,12 +16,14 @@ Prints a Markdown table and writes JSON and Markdown.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
 
 import torch
+
+from bench_prompts import DATASETS
+from bench_report import write_report
 
 from cluster.config import load_config
 from cluster.local_engine import build_engine
@@ -62,7 +64,7 @@ def run_batch(engine: Engine, prompts: list[list[int]], max_tokens: int, mode: s
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default="configs/local.yaml")
-    ap.add_argument("--datasets-dir", default=str(Path(__file__).resolve().parents[2] / "shared" / "datasets"))
+    ap.add_argument("--datasets-dir", default=str(DATASETS))
     ap.add_argument("--batch-sizes", default="1,2,4,8,16,32,64")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--dtype", help="override engine.dtype")
@@ -110,12 +112,9 @@ def main() -> None:
     lines += ["", f"speculation stops paying at batch size: {crossover or 'not within the measured range'}"]
     table = "\n".join(lines)
     print(table)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"config": str(args.config), "dtype": e.dtype, "shape": shape,
-                                                    "max_tokens": args.max_tokens, "threads": torch.get_num_threads(),
-                                                    "crossover_batch_size": crossover, "rows": results}, indent=1))
-    out.with_suffix(".md").write_text(table + "\n")
+    write_report(args.out, table, {"config": str(args.config), "dtype": e.dtype, "shape": shape,
+                                   "max_tokens": args.max_tokens, "threads": torch.get_num_threads(),
+                                   "crossover_batch_size": crossover, "rows": results})
 
 
 if __name__ == "__main__":

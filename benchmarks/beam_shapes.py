@@ -15,6 +15,8 @@ import json
 import time
 from pathlib import Path
 
+from bench_prompts import DATASETS
+
 from cluster.config import load_config
 from cluster.local_engine import build_engine
 from workers.sampling import SamplingParams
@@ -39,7 +41,7 @@ def decode_all(engine, prompts: list[list[int]], mode: str, max_tokens: int) -> 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default="configs/local.yaml")
-    ap.add_argument("--datasets-dir", default=str(Path(__file__).resolve().parents[2] / "shared" / "datasets"))
+    ap.add_argument("--datasets-dir", default=str(DATASETS))
     ap.add_argument("--prompts-per-category", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--shapes", default="1x2,1x3,2x2,2x3,3x3,2x4,4x4")

@@ -17,10 +17,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from pathlib import Path
 
 import torch
+from bench_clock import add_clock_option, step_clock
 from linear_kernels import HIDDEN, INTER, LAYERS, SHAPES, VOCAB, random_blocks
 
 from workers.kernels.quant_linear import QuantLinear
@@ -32,12 +32,9 @@ def main() -> None:
     ap.add_argument("--rows", default="1,2,3,5,7,9,16", help="row counts to time, comma-separated")
     ap.add_argument("--rounds", type=int, default=9, help="timed rounds (after one warm-up round)")
     ap.add_argument("--out", default="benchmarks/results/int8_activations.json", help="JSON output path")
-    ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
-                    help="cpu: this thread's CPU time (with --threads 1; excludes time preempted on a shared machine)")
+    add_clock_option(ap)
     args = ap.parse_args()
-    if args.clock == "cpu" and args.threads != 1:
-        ap.error("--clock cpu measures the calling thread only: use --threads 1")
-    clock = time.thread_time if args.clock == "cpu" else time.perf_counter
+    clock = step_clock(ap, args)
     torch.set_num_threads(args.threads)
     rows = [int(r) for r in args.rows.split(",")]
     shapes = [s for _ in range(LAYERS) for s in SHAPES]

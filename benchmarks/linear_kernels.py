@@ -19,11 +19,11 @@ import argparse
 import json
 import os
 import statistics
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from bench_clock import add_clock_option, step_clock
 
 import numpy as np
 
@@ -74,12 +74,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=9, help="timed rounds (after one warm-up round)")
     ap.add_argument("--out", default="benchmarks/results/linear_kernels.json", help="JSON output path")
     ap.add_argument("--only", default=None, help="time only variants whose name contains one of these, comma-separated")
-    ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
-                    help="cpu: this thread's CPU time (with --threads 1; excludes time preempted on a shared machine)")
+    add_clock_option(ap)
     args = ap.parse_args()
-    if args.clock == "cpu" and args.threads != 1:
-        ap.error("--clock cpu measures the calling thread only: use --threads 1")
-    clock = time.thread_time if args.clock == "cpu" else time.perf_counter
+    clock = step_clock(ap, args)
     torch.set_num_threads(args.threads)
     rows = [int(r) for r in args.rows.split(",")]
     variants = {**step_fns(torch.float32), **step_fns(torch.bfloat16)}

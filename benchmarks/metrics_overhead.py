@@ -16,23 +16,17 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import json
-import socket
 import statistics
 import tempfile
 from pathlib import Path
 
 import yaml
+from bench_ports import free_port
+from bench_prompts import DATASETS, add_load_options, chat_prompts
+from bench_report import write_report
 from served_vs_engine import served_run, start_server, stop_server
 
 from cluster.config import load_config
-from cluster.evaluation.prompts import load_prompts
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def variant_config(config: Path, enabled: bool, out_dir: Path) -> tuple[Path, int]:
@@ -56,18 +50,14 @@ def variant_config(config: Path, enabled: bool, out_dir: Path) -> tuple[Path, in
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default="configs/local.yaml", help="rdserve config to serve")
-    ap.add_argument("--prompts", default=str(Path(__file__).resolve().parents[2] / "shared/datasets/broad/dev.jsonl"),
-                    help="JSONL prompts (chat rows are used)")
-    ap.add_argument("--num-prompts", type=int, default=9, help="first N chat prompts of the file")
-    ap.add_argument("--max-tokens", type=int, default=128, help="completion tokens per request (at most)")
-    ap.add_argument("--concurrency", default="1,16", help="comma-separated closed-loop concurrency levels")
-    ap.add_argument("--modes", default="plain,spec", help="comma-separated rdserve.mode values")
+    ap.add_argument("--prompts", default=str(DATASETS / "broad/dev.jsonl"), help="JSONL prompts (chat rows are used)")
+    add_load_options(ap)
     ap.add_argument("--rounds", type=int, default=3, help="on/off alternations")
     ap.add_argument("--out", default="benchmarks/results/metrics_overhead", help="output path without suffix")
     args = ap.parse_args()
 
     model = load_config(args.config).model.name
-    rows = [r for r in load_prompts(args.prompts) if r.messages is not None][: args.num_prompts]
+    rows = chat_prompts(args.prompts, args.num_prompts)
     if not rows:
         raise SystemExit(f"{args.prompts}: no chat prompts")
     levels = [int(c) for c in args.concurrency.split(",")]
@@ -102,10 +92,7 @@ def main() -> None:
             lines.append(f"| {mode} | {c} | {on:.1f} | {off:.1f} | {100 * (1 - on / off):+.1f}% |")
     table = "\n".join(lines)
     print(table)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
-    out.with_suffix(".md").write_text(table + "\n")
+    write_report(args.out, table, {"args": vars(args), "results": results})
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 
 import torch
+from bench_report import write_report
 from tqdm import tqdm
 
 from cluster.config import load_config
@@ -145,9 +146,6 @@ def main() -> None:
         "perplexity": {d: math.exp(nll[d] / count) if count else None for d in engines},
         "perplexity_tokens": count,
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(result, indent=1))
     p = result["perplexity"]
     table = "\n".join([
         f"{len(rows)} prompts from {Path(args.prompts).name}, greedy, {args.max_tokens} tokens compared, "
@@ -160,7 +158,7 @@ def main() -> None:
         f"| bfloat16 | {result['ttft_p50_ms']['bfloat16']:.0f} | {fmt(p['bfloat16'])} | "
         f"{100 * result['greedy_identical']:.0f}% | {result['greedy_common_prefix_mean']:.1f} of {args.max_tokens} |",
     ])
-    out.with_suffix(".md").write_text(table + "\n")
+    write_report(args.out, table, result)
     print(table)
 
 

@@ -14,14 +14,15 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import json
-import logging
 import os
 from pathlib import Path
 
-from cluster.config import load_config
+from bench_prompts import DATASETS
+from bench_report import write_report
+from bench_serve import config_with_model, local_serve
+from spec_policies import prompt_mix
+
 from cluster.evaluation.loadgen import LoadSpec, run_load
-from spec_policies import DATASETS, free_port, prompt_mix
 
 ROUTERS = ("goodput", "pow2")
 
@@ -37,26 +38,15 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results/router_vs_pow2", help="output path without suffix")
     args = ap.parse_args()
 
-    import ray
-    from ray import serve
+    from cluster.app import deploy
 
-    from cluster.app import SERVE_ENV, deploy
-    from workers.models.pull import pull_default
-
-    for key, value in SERVE_ENV.items():
-        os.environ.setdefault(key, value)
-    cfg = load_config(args.config)
-    if cfg.model.path is None:
-        cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": pull_default()})})
+    cfg = config_with_model(args.config)
     threads = max(1, (os.cpu_count() or 1) // args.replicas)
     cfg = cfg.model_copy(update={"engine": cfg.engine.model_copy(update={"num_threads": threads})})
     rows = prompt_mix("broad", Path(args.datasets_dir))
     levels = [int(c) for c in args.concurrency.split(",")]
-    port = free_port()
-    ray.init(include_dashboard=False, logging_level=logging.WARNING, num_cpus=8)
     results: dict = {r: {} for r in ROUTERS}
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+    with local_serve() as port:
         for router in ROUTERS:
             serve_cfg = cfg.serve.model_copy(update={"replicas": args.replicas, "request_router": router,
                                                      "num_cpus_per_replica": 1.0})
@@ -77,9 +67,6 @@ def main() -> None:
                                       "ttft_p50_ms": s["ttft_ms"]["p50"], "requests_per_replica": sorted(served_by.values())}
                 print(f"c={c} {router}: {s['output_throughput']:.1f} tok/s, TPOT p50 {s['tpot_ms']['p50']:.0f} ms, "
                       f"per replica {sorted(served_by.values())}", flush=True)
-    finally:
-        serve.shutdown()
-        ray.shutdown()
     lines = [f"{args.replicas} replicas x {threads} thread(s), max_tokens {args.max_tokens}, "
              f"{args.requests_per_client} requests per client", "",
              "| concurrency | goodput tok/s | pow2 tok/s | goodput TPOT p50/p90 ms | pow2 TPOT p50/p90 ms | "
@@ -91,10 +78,7 @@ def main() -> None:
                      f"{g['requests_per_replica']} / {p['requests_per_replica']} |")
     table = "\n".join(lines)
     print(table)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
-    out.with_suffix(".md").write_text(table + "\n")
+    write_report(args.out, table, {"args": vars(args), "results": results})
 
 
 if __name__ == "__main__":

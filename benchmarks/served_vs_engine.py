@@ -22,7 +22,6 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import statistics
@@ -33,10 +32,12 @@ import time
 from pathlib import Path
 
 import httpx
+from bench_prompts import DATASETS, add_load_options, chat_prompts
+from bench_report import write_report
 
 from cluster.config import load_config
 from cluster.evaluation.loadgen import LoadSpec, run_load
-from cluster.evaluation.prompts import PromptRow, load_prompts
+from cluster.evaluation.prompts import PromptRow
 from cluster.local_engine import build_engine
 from workers.engine import Engine
 from workers.sampling import SamplingParams
@@ -170,12 +171,8 @@ def served_ttft(base_url: str, model: str, runs: int) -> list[float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default="configs/local.yaml", help="rdserve config served and run in process")
-    ap.add_argument("--prompts", default=str(Path(__file__).resolve().parents[2] / "shared/datasets/broad/dev.jsonl"),
-                    help="prompt JSONL (chat rows)")
-    ap.add_argument("--num-prompts", type=int, default=9, help="first N chat prompts of the file")
-    ap.add_argument("--max-tokens", type=int, default=128, help="completion tokens per request (at most)")
-    ap.add_argument("--concurrency", default="1,16", help="comma-separated closed-loop concurrency levels")
-    ap.add_argument("--modes", default="plain,spec", help="comma-separated rdserve.mode values")
+    ap.add_argument("--prompts", default=str(DATASETS / "broad/dev.jsonl"), help="prompt JSONL (chat rows)")
+    add_load_options(ap)
     ap.add_argument("--ttft-runs", type=int, default=20, help="sequential max_tokens=1 requests for TTFT, per round")
     ap.add_argument("--rounds", type=int, default=2, help="engine and served runs alternate this many times; "
                     "means are reported")
@@ -184,7 +181,7 @@ def main() -> None:
 
     cfg = load_config(args.config)
     base_url = f"http://127.0.0.1:{cfg.serve.port}"
-    rows = [r for r in load_prompts(args.prompts) if r.messages is not None][: args.num_prompts]
+    rows = chat_prompts(args.prompts, args.num_prompts)
     levels = [int(c) for c in args.concurrency.split(",")]
     modes = args.modes.split(",")
     results: dict = {"engine": {}, "served": {}}
@@ -236,10 +233,7 @@ def main() -> None:
               f"engine {e_ttft:.1f} ms, served {s_ttft:.1f} ms (+{s_ttft - e_ttft:.1f} ms)"]
     table = "\n".join(lines)
     print(table)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
-    out.with_suffix(".md").write_text(table + "\n")
+    write_report(args.out, table, {"args": vars(args), "results": results})
 
 
 if __name__ == "__main__":

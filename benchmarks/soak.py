@@ -33,7 +33,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -43,6 +42,7 @@ from pathlib import Path
 
 import httpx
 import yaml
+from bench_ports import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 KINDS = {"chat": 0.25, "text": 0.2, "chat_stream": 0.2, "text_stream": 0.15, "cancel": 0.1, "bad": 0.1}
@@ -55,12 +55,6 @@ BAD = [  # (path, body): each must be answered 4xx
     ("/v1/completions", b'{"prompt": "a",'),
 ]
 CLIENT_TIMEOUT_S = 120.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_server(config: Path, workdir: Path, request_timeout_s: float = 0) -> tuple[subprocess.Popen, str, dict]:

@@ -26,18 +26,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
-import os
-import socket
 from pathlib import Path
 
-from cluster.config import load_config
+from bench_prompts import DATASETS, chat_prompts
+from bench_report import write_report
+from bench_serve import config_with_model, local_serve
+
 from cluster.evaluation.loadgen import LoadSpec, run_load
 from cluster.evaluation.metrics import Slo
-from cluster.evaluation.prompts import PromptRow, load_prompts
+from cluster.evaluation.prompts import PromptRow
 
 POLICIES = ("spec", "plain", "table", "auto")
-DATASETS = Path(__file__).resolve().parents[2] / "shared" / "datasets"
 
 
 def policy_config(cfg, policy: str, calibration: Path):
@@ -62,7 +61,7 @@ def policy_config(cfg, policy: str, calibration: Path):
 
 
 def prompt_mix(mix: str, datasets: Path) -> list[PromptRow]:
-    broad = [r for r in load_prompts(datasets / "broad" / "dev.jsonl") if r.messages is not None]
+    broad = chat_prompts(datasets / "broad" / "dev.jsonl")
     if mix == "summarization":
         return [r for r in broad if r.category == "summarization"]
     math = [PromptRow("math", messages=[{"role": "user", "content": json.loads(line)["question"]
@@ -76,12 +75,6 @@ def prompt_mix(mix: str, datasets: Path) -> list[PromptRow]:
         rows += [broad[2 * i % len(broad)], broad[(2 * i + 1) % len(broad)], math[i % len(math)], code[i % len(code)]]
         i += 1
     return rows
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main() -> None:
@@ -103,27 +96,15 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results/spec_policies", help="output path without suffix")
     args = ap.parse_args()
 
-    import ray
-    from ray import serve
+    from cluster.app import deploy
 
-    from cluster.app import SERVE_ENV, deploy
-    from workers.models.pull import pull_default
-
-    for key, value in SERVE_ENV.items():  # as rdserve up runs it
-        os.environ.setdefault(key, value)
-
-    cfg = load_config(args.config)
-    if cfg.model.path is None:
-        cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": pull_default()})})
+    cfg = config_with_model(args.config)
     policies = args.policies.split(",")
     levels = [int(c) for c in args.concurrency.split(",")]
     rows = prompt_mix(args.mix, Path(args.datasets_dir))
     slo = Slo(ttft_ms=args.slo_ttft_ms, tpot_ms=args.slo_tpot_ms)
-    port = free_port()
-    ray.init(include_dashboard=False, logging_level=logging.WARNING, num_cpus=8)
     results: dict = {p: {} for p in policies}
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+    with local_serve() as port:
         for p in policies:
             deploy(policy_config(cfg, p, Path(args.calibration).resolve()), name=p, route_prefix=f"/{p}")
         passes: dict = {p: {c: [] for c in levels} for p in policies}
@@ -149,9 +130,6 @@ def main() -> None:
                 results[p][c] = {"output_throughput": sum(x["output_tokens"] for x in cells) / time_s,
                                  "goodput": sum(x["goodput"] * x["duration_s"] for x in cells) / time_s,
                                  "failed": sum(x["failed"] for x in cells), "passes": cells}
-    finally:
-        serve.shutdown()
-        ray.shutdown()
 
     fixed = [p for p in policies if p != "auto"]
     lines = [f"mix {args.mix}, {len(rows)} prompts, {args.rounds} pass(es) pooled, max_tokens {args.max_tokens}, SLO TTFT {args.slo_ttft_ms:.0f} ms "
@@ -171,10 +149,7 @@ def main() -> None:
                   + f"; auto / best single fixed ({best_single}) = {sums['auto'] / sums[best_single]:.2f}x"]
     table = "\n".join(lines)
     print(table)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
-    out.with_suffix(".md").write_text(table + "\n")
+    write_report(args.out, table, {"args": vars(args), "results": results})
 
 
 if __name__ == "__main__":

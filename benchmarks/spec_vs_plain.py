@@ -24,6 +24,9 @@ from pathlib import Path
 
 import torch
 
+from bench_prompts import DATASETS
+from bench_report import write_report
+
 from cluster.config import load_config
 from cluster.local_engine import build_engine
 from workers.engine import Engine
@@ -42,7 +45,7 @@ def run_once(engine: Engine, ids: list[int], mode: str, max_tokens: int):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default="configs/local.yaml")
-    ap.add_argument("--datasets-dir", default=str(Path(__file__).resolve().parents[2] / "shared" / "datasets"))
+    ap.add_argument("--datasets-dir", default=str(DATASETS))
     ap.add_argument("--prompts", help="JSONL prompts ('messages' or 'prompt', 'category'), e.g. "
                     "../shared/datasets/broad/dev.jsonl; default: rdserve's held-out chat/code/math prompts")
     ap.add_argument("--prompts-per-category", type=int, default=6)
@@ -128,10 +131,7 @@ def main() -> None:
         )
     table = "\n".join(lines)
     print(table)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"summary": summary, "rows": rows, "args": vars(args)}, indent=1))
-    out.with_suffix(".md").write_text(table + "\n")
+    write_report(args.out, table, {"summary": summary, "rows": rows, "args": vars(args)})
 
 
 if __name__ == "__main__":

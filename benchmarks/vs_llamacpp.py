@@ -37,9 +37,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -50,20 +48,17 @@ import httpx
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_ports import free_port  # noqa: E402
+from bench_prompts import DATASETS, chat_prompts  # noqa: E402
+from bench_report import write_report  # noqa: E402
 from served_vs_engine import start_server, stop_server  # noqa: E402
 
 from cluster.evaluation.loadgen import LoadSpec, run_load  # noqa: E402
-from cluster.evaluation.prompts import PromptRow, load_prompts  # noqa: E402
+from cluster.evaluation.prompts import PromptRow  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 BUILD_HINT = ("llama.cpp binaries not found in {bin} (need llama-server and llama-quantize): build them as this "
               "script's docstring says (python benchmarks/vs_llamacpp.py --help), then pass --llama-cpp-bin")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rdserve_config(base: Path, out_dir: Path, weights: str, threads: int) -> tuple[Path, int]:
@@ -138,7 +133,7 @@ def measure(url: str, model: str, rows: list[PromptRow], requests: int, concurre
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default=str(REPO / "configs/local.yaml"), help="rdserve config (default model)")
-    ap.add_argument("--prompts", default=str(REPO.parent / "shared/datasets/broad/dev.jsonl"), help="prompt JSONL")
+    ap.add_argument("--prompts", default=str(DATASETS / "broad/dev.jsonl"), help="prompt JSONL")
     ap.add_argument("--num-prompts", type=int, default=9, help="first N chat prompts of the file")
     ap.add_argument("--max-tokens", type=int, default=192, help="completion tokens per request (at most)")
     ap.add_argument("--threads", type=int, default=2, help="threads of every system")
@@ -161,7 +156,7 @@ def main() -> None:
         return len(tokenizer(text, add_special_tokens=False)["input_ids"])
 
     gguf = Path(args.gguf) if args.gguf else find_gguf()
-    rows = [r for r in load_prompts(args.prompts) if r.messages is not None][: args.num_prompts]
+    rows = chat_prompts(args.prompts, args.num_prompts)
     n1, nc = len(rows), max(len(rows), 2 * args.concurrency)
     systems = args.only.split(",") if args.only else ["rdserve-gguf", "rdserve-float32", "llama-q4_1", "llama-f32"]
     bin_dir = Path(args.llama_cpp_bin).expanduser()
@@ -235,12 +230,8 @@ def main() -> None:
     lines += [f"failed: {k}: {v.splitlines()[0] if v else ''}" for k, v in failed.items()]
     table = "\n".join(lines)
     print(table)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"args": vars(args), "results": results, "skipped": skipped,
-                                                    "failed": failed,
-                                                    "ratios": {t: ratio(a, b) for t, a, b in targets}}, indent=1))
-    out.with_suffix(".md").write_text(table + "\n")
+    write_report(args.out, table, {"args": vars(args), "results": results, "skipped": skipped, "failed": failed,
+                                   "ratios": {t: ratio(a, b) for t, a, b in targets}})
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
@@ -23,6 +22,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from batch_scaling import run_batch  # benchmarks/ is on sys.path when run as a script
+from bench_prompts import DATASETS
+from bench_report import write_report
 from cluster.config import load_config
 from cluster.local_engine import build_engine
 from workers.models.pull import pull_default
@@ -52,7 +53,7 @@ def theirs(model, tokenizer, prompts: list[list[int]], max_tokens: int) -> float
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default="configs/local.yaml")
-    ap.add_argument("--datasets-dir", default=str(Path(__file__).resolve().parents[2] / "shared" / "datasets"))
+    ap.add_argument("--datasets-dir", default=str(DATASETS))
     ap.add_argument("--batch-sizes", default="1,16")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--runs", type=int, default=3)
@@ -96,11 +97,8 @@ def main() -> None:
          f"{r['ratio']:.2f}x |" for r in rows]
     table = "\n".join(lines)
     print(table)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"dtype": cfg.engine.dtype, "threads": threads,
-                                                    "max_tokens": args.max_tokens, "rows": rows}, indent=1))
-    out.with_suffix(".md").write_text(table + "\n")
+    write_report(args.out, table, {"dtype": cfg.engine.dtype, "threads": threads, "max_tokens": args.max_tokens,
+                                   "rows": rows})
 
 
 if __name__ == "__main__":
