@@ -191,7 +191,10 @@ def test_scales_up_and_down_and_redeploys_without_losing_a_stream(autoscale_url,
     assert not failed, f"{len(failed)} of {len(streams)} streams failed: {[s.error for s in failed[:3]]}"
     print(f"scale-up seen after {up_s:.1f} s, scale-down {down_s:.1f} s after the load dropped; "
           f"{len(streams)} streams, all complete")
-    assert down_s <= LOOK_BACK_S + DOWNSCALE_DELAY_S + 8, f"scale-down took {down_s:.1f} s"
+    # Margin: metric pushes (0.5 s), the controller's loop, the replica's move to STOPPING and the
+    # /health polls, on 2 cores that are also decoding the streams (14.2 s was seen with another
+    # process busy on the machine; an autoscaler that ignored the drop would never get there).
+    assert down_s <= LOOK_BACK_S + DOWNSCALE_DELAY_S + 12, f"scale-down took {down_s:.1f} s"
     violations = running_replicas_stopped_while_another_starts(poller.snapshots)
     assert not violations, violations
 
