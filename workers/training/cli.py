@@ -71,6 +71,7 @@ def train(
     gen_dtype: str = typer.Option("float32", help="Base-model dtype for data generation: float32 or bfloat16 (about 2x faster on AMX CPUs; responses can differ from float32 greedy ones late in a sequence).", metavar="[float32|bfloat16]"),
     extra_prompts: int = typer.Option(0, help="Also generate data for up to N training prompts from rdserve's extra built-in sources (more chat instructions, template math word problems, Python standard-library functions), into DATA/extra.", min=0),
     steps: int = typer.Option(3000, help="Optimizer steps.", min=1),
+    init_from: Optional[Path] = typer.Option(None, help="Start from this drafter's weights (same architecture; fine-tuning). The draft vocabulary is still chosen from the new data."),
     batch_size: int = typer.Option(128, help="Training examples per step.", min=1),
     lr: float = typer.Option(1e-3, help="Peak AdamW learning rate (cosine decay)."),
     num_draft_layers: int = typer.Option(2, help="Residual blocks in the draft head.", min=0),
@@ -139,7 +140,7 @@ def train(
     examples = load_examples(data, draft_len)
     report = train_drafter(base, examples, out, num_draft_layers=num_draft_layers, head_type=head_type,
                            steps=steps, batch_size=batch_size, lr=lr,
-                           draft_vocab_size=draft_vocab_size, soft_weight=soft_weight)
+                           draft_vocab_size=draft_vocab_size, soft_weight=soft_weight, init_from=init_from)
     report["data"] = {**settings, "dir": str(data)}
     (out / "train_report.json").write_text(json.dumps(report, indent=2) + "\n")
     if eval_prompts > 0 and held_rows:

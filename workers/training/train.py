@@ -5,7 +5,9 @@ Each training example is one response position ``i`` of a shard written by
 :mod:`workers.training.distill_data`: context ``g_i`` (``[H]``), root token ``y_i``, and targets
 ``y_{i+1..i+K}``. The RNN runs over ``e(y_i), .., e(y_{i+K-1})`` with the base model's frozen
 embedding; the loss is the mean cross-entropy over the K drafted positions. The base model's LM
-head is frozen (``shared`` heads reuse it). Matrix products run in bfloat16 autocast on CPU.
+head is frozen (``shared`` heads reuse it). Matrix products run in bfloat16 autocast on CPUs with
+bfloat16 arithmetic (AMX or AVX512-BF16) and in float32 elsewhere, where bfloat16 is emulated and
+slower than float32.
 """
 
 from __future__ import annotations
@@ -135,12 +137,20 @@ def train_drafter(
     seed: int = 0,
     draft_vocab_size: int = 8192,
     soft_weight: float = 0.0,
+    init_from: Path | None = None,
+    autocast_dtype: torch.dtype | None = None,
 ) -> dict:
     """Train and save a drafter to ``out_dir``; resumes from ``out_dir/checkpoint.pt``.
 
     About ``heldout_fraction`` of the prompts (whole responses, chosen by a seeded draw) are kept
     out of training for the reported top-1 accuracy. ``soft_weight`` mixes in the base model's
-    distribution as a target (see :func:`drafter_loss`).
+    distribution as a target (see :func:`drafter_loss`). ``init_from``: a drafter directory of the
+    same architecture whose weights start the training (fine-tuning; its draft vocabulary is not
+    reused: the vocabulary is chosen from ``examples``). ``autocast_dtype``: None picks
+    :func:`default_autocast_dtype`.
+
+    Raises:
+        ValueError: ``init_from`` holds a drafter of another architecture (names what differs).
 
     Returns a report dict (also written to ``out_dir/train_report.json``).
     """
@@ -157,6 +167,9 @@ def train_drafter(
         if head_type == "shared":  # start from the base head applied to the context: sane logit scale
             drafter.out_proj.weight.zero_()
             drafter.out_proj.weight[:, : cfg.hidden_size] = torch.eye(cfg.hidden_size)
+    if init_from is not None:
+        _load_initial_weights(drafter, Path(init_from), head)
+    autocast_dtype = autocast_dtype or default_autocast_dtype()
     coverage, to_draft = None, None
     restrict = 0 < draft_vocab_size < cfg.vocab_size
     if restrict:
@@ -194,7 +207,7 @@ def train_drafter(
     t0 = time.perf_counter()
     for step in bar:
         idx = train_idx[torch.tensor([rng.randrange(len(train_idx)) for _ in range(batch_size)])]
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast("cpu", dtype=autocast_dtype, enabled=autocast_dtype != torch.float32):
             loss, acc = loss_of(idx)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -225,10 +238,41 @@ def train_drafter(
         "steps": steps, "batch_size": batch_size, "train_examples": len(train_idx), "heldout_examples": len(held),
         "train_time_s": round(elapsed, 1), "heldout_top1_accuracy_per_position": [round(a, 4) for a in acc.tolist()],
         "num_draft_layers": num_draft_layers, "head_type": head_type, "soft_weight": soft_weight,
-        "heldout": "whole prompts",
+        "heldout": "whole prompts", "autocast_dtype": str(autocast_dtype).removeprefix("torch."),
+        "init_from": str(init_from) if init_from is not None else None,
     }
     (out_dir / "train_report.json").write_text(json.dumps(report, indent=2) + "\n")
     return report
+
+
+def default_autocast_dtype() -> torch.dtype:
+    """bfloat16 where the CPU computes in it (``amx_bf16`` or ``avx512_bf16`` in ``/proc/cpuinfo``),
+    else float32."""
+    from workers.kernels.build import missing_cpu_flags
+
+    has = lambda flag: not missing_cpu_flags({flag})  # noqa: E731
+    return torch.bfloat16 if has("amx_bf16") or has("avx512_bf16") else torch.float32
+
+
+def _load_initial_weights(drafter: ReDrafter, path: Path, base_lm_head: torch.Tensor) -> None:
+    """Copy the trainable weights of the drafter saved at ``path`` into ``drafter``.
+
+    Raises:
+        ValueError: another head type, hidden size or number of residual blocks (names it).
+    """
+    from workers.redrafter.drafter import load_drafter
+
+    init = load_drafter(path, base_lm_head)
+    for field in ("hidden_size", "num_draft_layers", "head_type", "vocab_size"):
+        mine, theirs = getattr(drafter.config, field), getattr(init.config, field)
+        if mine != theirs:
+            raise ValueError(f"--init-from {path}: {field} is {theirs}, the drafter being trained has {mine}")
+    params = dict(drafter.named_parameters())
+    wanted = {k: v for k, v in init.state_dict().items() if k in params and v.shape == params[k].shape}
+    missing = [k for k, p in params.items() if p.requires_grad and k not in wanted]
+    if missing:
+        raise ValueError(f"--init-from {path}: no weights for {', '.join(missing)}")
+    drafter.load_state_dict(wanted, strict=False)
 
 
 def frequent_tokens(targets: torch.Tensor, vocab_size: int, k: int) -> tuple[torch.Tensor, float]:

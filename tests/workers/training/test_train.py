@@ -86,3 +86,29 @@ def test_distribution_targets_generalise_better_than_tokens_on_little_data(disti
     assert 0 < soft["heldout_examples"] < len(ex.ctx_idx) / 2
     h, s = hard["heldout_top1_accuracy_per_position"], soft["heldout_top1_accuracy_per_position"]
     assert all(a > b + 0.15 for a, b in zip(s, h)), (h, s)
+
+
+def test_init_from_starts_at_the_given_drafters_weights(distilled, tmp_path):
+    """Fine-tuning (``--init-from``): with a vanishing learning rate the result is the initial
+    drafter, whatever draft vocabulary the new data picks; a fresh start is not."""
+    from safetensors.torch import load_file
+
+    base, ex, _ = distilled
+    kw = dict(checkpoint_every=10**9, heldout_fraction=0.2, batch_size=32, soft_weight=1.0)
+    first = train_drafter(base, ex, tmp_path / "first", steps=60, lr=3e-3, draft_vocab_size=0, **kw)
+    tuned = train_drafter(base, ex, tmp_path / "tuned", steps=1, lr=1e-12, draft_vocab_size=40,
+                          init_from=tmp_path / "first", **kw)
+    fresh = train_drafter(base, ex, tmp_path / "fresh", steps=1, lr=1e-12, draft_vocab_size=40, **kw)
+    a, b, c = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("first", "tuned", "fresh"))
+    assert set(a) == set(b) and all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
+    assert not all(torch.allclose(a[k], c[k], atol=1e-3) for k in a)
+    assert tuned["init_from"] == str(tmp_path / "first") and first["init_from"] is None
+    assert tuned["heldout_top1_accuracy_per_position"] != fresh["heldout_top1_accuracy_per_position"]
+
+
+def test_init_from_another_architecture_names_what_differs(distilled, tmp_path):
+    base, ex, _ = distilled
+    kw = dict(steps=1, checkpoint_every=10**9, batch_size=8, draft_vocab_size=0)
+    train_drafter(base, ex, tmp_path / "one_block", num_draft_layers=1, **kw)
+    with pytest.raises(ValueError, match="num_draft_layers is 1, the drafter being trained has 2"):
+        train_drafter(base, ex, tmp_path / "two_blocks", num_draft_layers=2, init_from=tmp_path / "one_block", **kw)
