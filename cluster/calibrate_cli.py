@@ -75,8 +75,10 @@ def calibrate(
     repeats: int = typer.Option(6, min=1, help="Timed iterations per measurement (median)."),
     out: Path | None = typer.Option(None, help="Where to write every measured figure (JSON); default: the "
                                     "config's engine.spec_calibration with spec_schedule 'auto', else calibration.json."),
-    write: bool = typer.Option(True, "--write/--no-write", help="Write the derived table into the config's "
-                               "engine.spec_schedule (comments and the other keys are kept)."),
+    write: bool = typer.Option(True, "--write/--no-write", help="Write the derived table into the config "
+                               "(comments and the other keys are kept): into engine.spec_schedule_by_kernel under "
+                               "the kernel measured (e.g. gguf-avx2) when the config has that section, else into "
+                               "engine.spec_schedule and router.spec_max_load."),
 ) -> None:
     """Measure step costs and acceptance here; derive and write the speculation schedule."""
     from cluster.cli import _startable_config, _with_model_dir
@@ -86,13 +88,15 @@ def calibrate(
 
     cfg = _startable_config(config, calibration=False)
     auto = cfg.engine.spec_schedule == "auto"
+    by_kernel = cfg.engine.spec_schedule_by_kernel is not None
     out = out or (cfg.engine.spec_calibration if auto else Path("calibration.json"))
     if cfg.drafter.path is None:
         err_console.print("calibrate needs drafter.path in the config (there is nothing to schedule without it)")
         raise typer.Exit(2)
     batches, shape_list = _parse_batches(batch_sizes), _parse_shapes(shapes)
     cfg.engine = cfg.engine.model_copy(update={"max_batch_size": max(cfg.engine.max_batch_size, batches[-1]),
-                                               "spec_schedule": None})  # each measurement sets its shape
+                                               "spec_schedule": None,  # each measurement sets its shape
+                                               "spec_schedule_by_kernel": None})
     engine = build_engine(_with_model_dir(cfg))
     all_ids = _prompts(engine, prompts, prompts_per_category)
     prompt_ids = [ids for ids in all_ids if len(ids) + max_tokens <= engine.max_seq_len]
@@ -120,8 +124,9 @@ def calibrate(
     table = derive_schedule(plain_s, spec_s, tps)
     _print(batches, shape_list, plain_s, spec_s, tps, table)
     rows = "off" if table == "off" else [r.model_dump() for r in table]
+    console.print(f"kernel: {engine.kernel}")
     out.write_text(json.dumps({
-        "batch_sizes": batches, "context_len": context_len, "repeats": repeats,
+        "kernel": engine.kernel, "batch_sizes": batches, "context_len": context_len, "repeats": repeats,
         "tokens_per_step": {f"{s[0]}x{s[1]}": v for s, v in tps.items()},
         "plain_step_s": plain_s,
         "spec_step_s": {f"{b}:{s[0]}x{s[1]}": v for (b, s), v in spec_s.items()},
@@ -131,6 +136,10 @@ def calibrate(
     if auto:
         console.print("engine.spec_schedule is 'auto': the goodput model reads the step costs and tokens per step "
                       f"from {out} at start (engine.spec_calibration); the config is left as it is")
+    elif write and by_kernel:
+        _write_kernel_schedule(config, engine.kernel, rows, f"`rdserve calibrate` ({out.name}): batch sizes "
+                               f"{batch_sizes}, shapes {shapes}")
+        console.print(f"engine.spec_schedule_by_kernel.{engine.kernel} written to {config}")
     elif write:
         _write_schedule(config, rows, f"derived by `rdserve calibrate` ({out.name}): batch sizes {batch_sizes}, "
                                       f"shapes {shapes}")
@@ -138,29 +147,62 @@ def calibrate(
 
 
 def spec_max_load(rows) -> int:
-    """The router's threshold matching a schedule: the largest batch size that still speculates."""
-    return 0 if rows == "off" else max((r["max_batch_size"] for r in rows if r["num_beams"]), default=0)
+    """The router's threshold matching a schedule (rows as dicts, or ``"off"``): the largest batch
+    size that still speculates."""
+    from workers.spec_schedule import largest_speculating_batch, validate_schedule
+
+    return largest_speculating_batch(validate_schedule(rows))
+
+
+def _yaml_rows(rows):
+    """A schedule as ruamel round-trip YAML: flow-style rows, or a quoted ``"off"``."""
+    from ruamel.yaml.comments import CommentedMap, CommentedSeq
+    from ruamel.yaml.scalarstring import DoubleQuotedScalarString
+
+    if rows == "off":
+        return DoubleQuotedScalarString("off")  # unquoted, YAML 1.1 readers see the boolean false
+    value = CommentedSeq()
+    for row in rows:
+        m = CommentedMap(row)
+        m.fa.set_flow_style()
+        value.append(m)
+    return value
+
+
+def _round_trip(config: Path):
+    """(ruamel YAML, the file's data) for an edit that keeps comments."""
+    from ruamel.yaml import YAML
+    from ruamel.yaml.comments import CommentedMap
+
+    rt = YAML()
+    rt.representer.add_representer(type(None), lambda r, _: r.represent_scalar("tag:yaml.org,2002:null", "null"))
+    return rt, rt.load(config.read_text()) or CommentedMap()
+
+
+def _write_kernel_schedule(config: Path, kernel: str, rows, note: str) -> None:
+    """Set ``engine.spec_schedule_by_kernel[kernel]`` in the YAML file, keeping the rest."""
+    from ruamel.yaml.comments import CommentedMap
+
+    rt, data = _round_trip(config)
+    engine = data.setdefault("engine", CommentedMap())
+    table = engine.get("spec_schedule_by_kernel")
+    if not isinstance(table, CommentedMap):
+        table = engine["spec_schedule_by_kernel"] = CommentedMap()
+    table[kernel] = _yaml_rows(rows)
+    table.ca.items.pop(kernel, None)
+    table.yaml_add_eol_comment(note, kernel)
+    with config.open("w") as f:
+        rt.dump(data, f)
 
 
 def _write_schedule(config: Path, rows, note: str) -> None:
     """Set ``engine.spec_schedule`` and ``router.spec_max_load`` in the YAML file, keeping its
     comments and other keys (round trip)."""
-    from ruamel.yaml import YAML
-    from ruamel.yaml.comments import CommentedMap, CommentedSeq
-    from ruamel.yaml.scalarstring import DoubleQuotedScalarString
+    from ruamel.yaml.comments import CommentedMap
 
-    rt = YAML()
-    rt.representer.add_representer(type(None), lambda r, _: r.represent_scalar("tag:yaml.org,2002:null", "null"))
-    data = rt.load(config.read_text()) or CommentedMap()
+    rt, data = _round_trip(config)
     engine = data.setdefault("engine", CommentedMap())
-    if rows == "off":
-        value = DoubleQuotedScalarString("off")  # unquoted, YAML 1.1 readers see the boolean false
-    else:
-        value = CommentedSeq()
-        for row in rows:
-            m = CommentedMap(row)
-            m.fa.set_flow_style()
-            value.append(m)
+    value = _yaml_rows(rows)
     engine["spec_schedule"] = value
     engine.ca.items.pop("spec_schedule", None)  # replace the note of an earlier calibration
     engine.yaml_add_eol_comment(note, "spec_schedule")

@@ -15,11 +15,12 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 import yaml
-from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, SecretStr, ValidationError, ValidationInfo,
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, SecretStr, ValidationError, ValidationInfo,
                       field_validator, model_validator)
 
 from cluster.auth import ApiKeySource, parse_api_keys, resolve_keys
 from cluster.k8s.settings import KubernetesConfig
+from workers.kernel_name import check_kernel_name
 from workers.spec_schedule import SpecSchedule
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -96,6 +97,12 @@ class EngineConfig(_Section):
         None, description="'auto' (the goodput model: shape or plain per iteration from spec_calibration's "
         "step costs and live acceptance), 'off', or rows {max_batch_size, num_beams, draft_len_per_beam} "
         "(fixed schedule by number of generation requests); null = num_beams x draft_len_per_beam at every batch size",
+    )
+    spec_schedule_by_kernel: dict[Annotated[str, AfterValidator(check_kernel_name)], SpecSchedule] | None = Field(
+        None, description="schedules as spec_schedule (rows or 'off') by the compute path they were measured on "
+        "(workers.kernel_name: e.g. gguf-avx512-int8, gguf-avx2, float32-torch); a replica takes its own path's, "
+        "else spec_schedule, and router.spec_max_load follows it (its largest speculating batch size). "
+        "`rdserve calibrate --write` fills the entry of the path it ran on",
     )
     spec_calibration: Path | None = Field(
         None, description="`rdserve calibrate --out` JSON (step costs by batch size and shape, tokens per step); "
@@ -273,6 +280,9 @@ class RdserveConfig(_Section):
                                  "(`rdserve calibrate --out FILE`)")
             if self.drafter.path is None:
                 raise ValueError("engine.spec_schedule: 'auto' needs drafter.path (nothing to speculate with)")
+            if self.engine.spec_schedule_by_kernel:
+                raise ValueError("engine.spec_schedule_by_kernel: not used with spec_schedule 'auto' (the goodput "
+                                 "model reads engine.spec_calibration); remove one of them")
         if self.engine.prefill_dtype == "bfloat16" and (self.engine.weights == "float32" or self.engine.tp_size > 1):
             raise ValueError("engine.prefill_dtype: 'bfloat16' is for GGUF-block weights (engine.weights gguf/auto, "
                              "tp_size 1); float32 weights prefill in float32")
@@ -300,6 +310,9 @@ class RdserveConfig(_Section):
             if self.serve.autoscaling is not None:
                 raise ValueError("serve.autoscaling: not used with serve.pools; set serve.pools.spec.autoscaling "
                                  "and serve.pools.plain.autoscaling")
+            if self.engine.spec_schedule_by_kernel:
+                raise ValueError("engine.spec_schedule_by_kernel: not used with serve.pools (the spec pool drafts "
+                                 "engine.num_beams x draft_len_per_beam at every batch size); remove it")
             if self.engine.spec_schedule is not None:
                 raise ValueError("engine.spec_schedule: not used with serve.pools (the spec pool drafts "
                                  "engine.num_beams x draft_len_per_beam at every batch size); leave it null")
@@ -315,7 +328,7 @@ def format_validation_error(err: ValidationError) -> str:
     """One line per problem: ``dotted.field: pydantic message``."""
     lines = []
     for e in err.errors():
-        field = ".".join(str(p) for p in e["loc"])
+        field = ".".join(str(p) for p in e["loc"]).replace(".[key]", " (key)")  # a mapping's key is what is wrong
         if not field and e["msg"].startswith("Value error, "):  # a cross-field check: its message names the field
             lines.append(e["msg"].removeprefix("Value error, "))
             continue

@@ -27,7 +27,7 @@ def build_engine(cfg: RdserveConfig, tp_gpus: list[str] | None = None):
     drafter_dir = cfg.drafter.path
     options = EngineOptions(
         device=eng.device, dtype=eng.dtype, num_beams=eng.num_beams, draft_len_per_beam=eng.draft_len_per_beam,
-        spec_schedule=eng.spec_schedule, max_seq_len=eng.max_seq_len, max_batch_size=eng.max_batch_size,
+        spec_schedule=eng.spec_schedule, spec_schedule_by_kernel=eng.spec_schedule_by_kernel, max_seq_len=eng.max_seq_len, max_batch_size=eng.max_batch_size,
         max_num_tokens=eng.max_num_tokens, max_prefill_chunk=eng.max_prefill_chunk,
         tokens_per_block=eng.tokens_per_block, num_kv_blocks=eng.num_kv_blocks,
         kv_cache_fraction=eng.kv_cache_fraction,
@@ -44,8 +44,27 @@ def build_engine(cfg: RdserveConfig, tp_gpus: list[str] | None = None):
         from workers.tp.executor import tp_executor_factory
 
         factory = tp_executor_factory(str(model_dir), eng.tp_size, options.num_threads, tp_gpus)
-    return Engine(str(model_dir), str(drafter_dir) if drafter_dir else None, options, executor_factory=factory,
-                  spec_policy=policy, tp_size=eng.tp_size)
+    engine = Engine(str(model_dir), str(drafter_dir) if drafter_dir else None, options, executor_factory=factory,
+                    spec_policy=policy, tp_size=eng.tp_size)
+    if eng.spec_schedule == "auto":
+        _warn_if_measured_elsewhere(eng.spec_calibration, engine.kernel)
+    return engine
+
+
+def _warn_if_measured_elsewhere(calibration, kernel: str) -> None:
+    """Log a warning when the calibration file says it was measured on another compute path (its
+    step costs, and so the goodput model's choices, then belong to that path)."""
+    import json
+    import logging
+
+    try:
+        measured = json.loads(open(calibration).read()).get("kernel")
+    except (OSError, ValueError, AttributeError):
+        return  # unreadable files are reported by StepCosts.load
+    if measured is not None and measured != kernel:
+        logging.getLogger(__name__).warning(
+            "engine.spec_calibration %s was measured on kernel %s, this engine runs on %s: its step costs may not "
+            "hold here; run `rdserve calibrate` on this machine", calibration, measured, kernel)
 
 
 def num_threads(cfg: RdserveConfig) -> int:

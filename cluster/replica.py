@@ -24,7 +24,7 @@ from cluster.observability.recorder import ReplicaMetrics
 from cluster.placement import placement_gpu_ids, uses_gpu_placement
 from cluster.protocol import RequestError, check_prompt_chars, resolve_max_tokens
 from cluster.replica_stats import TtftWindow, engine_stats
-from cluster.router import choose_mode
+from cluster.router import choose_mode, router_for_kernel
 from workers.async_engine import AsyncEngine, EngineFailure
 from workers.engine import GenerationDelta
 from workers.sampling import SamplingParams
@@ -78,6 +78,16 @@ def serve_replica_id() -> str:
         return "local"
 
 
+def _schedule_text(engine) -> str:
+    """The engine's speculation schedule for a log line: ``auto``, ``off`` or ``1x2<=2, off above``."""
+    table = engine.spec_schedule
+    if table in ("auto", "off"):
+        return table
+    rows = [f"{r.num_beams}x{r.draft_len_per_beam}<={r.max_batch_size}" if r.shape else f"off<={r.max_batch_size}"
+            for r in table]
+    return ", ".join(rows) + ", off above"
+
+
 @serve.deployment
 class EngineReplica:
     """Ray Serve deployment; ``generate`` streams ``Started``, then engine deltas, or one ``Failed``."""
@@ -86,14 +96,16 @@ class EngineReplica:
         gpus = placement_gpu_ids(cfg.engine.tp_size) if uses_gpu_placement(cfg) else None  # rank r -> GPU
         self.async_engine = AsyncEngine(lambda: build_engine(cfg, gpus))  # built on the engine's own thread
         self.engine = self.async_engine.engine
-        self.router = cfg.router
+        self.router = router_for_kernel(cfg.router, cfg.engine.spec_schedule_by_kernel, self.engine.kernel)
         self.per_iteration = cfg.engine.spec_schedule == "auto"
         self.load = 0
         self.ttft = TtftWindow()
         self.replica_id = serve_replica_id()
         self.metrics = ReplicaMetrics(self.async_engine, cfg.model.name) if cfg.observability.enabled else None
         log.info("%s", self.engine.kv_size)
-        log.info("engine ready: model %s, drafter %s", cfg.model.path or "default", cfg.drafter.path)
+        log.info("engine ready: model %s, drafter %s, kernel %s, speculation schedule %s, spec_max_load %d",
+                 cfg.model.path or "default", cfg.drafter.path, self.engine.kernel, _schedule_text(self.engine),
+                 self.router.spec_max_load)
 
     def check_health(self) -> None:
         """Ray Serve's health probe: a replica whose tensor-parallel rank died is replaced.
@@ -122,6 +134,7 @@ class EngineReplica:
         cache's size and free blocks."""
         kv, blocks = self.engine.kv_size, self.engine.blocks
         return {"load": self.load, "speculative_available": self.engine.speculative_available,
+                "kernel": self.engine.kernel, "spec_max_load": self.router.spec_max_load,
                 "kv_cache": {"blocks": kv.num_blocks, "tokens_per_block": kv.block_size, "tokens": kv.num_tokens,
                              "mib": round(kv.mib, 1), "free_blocks": blocks.num_free_blocks},
                 **({"failure": str(self.engine.executor.failure)} if self.engine.executor.failure else {})}

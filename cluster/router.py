@@ -8,6 +8,7 @@ extension ``"rdserve": {"mode": "spec" | "plain" | "auto"}`` (see ``cluster.prot
 from __future__ import annotations
 
 from cluster.config import RouterConfig
+from workers.spec_schedule import largest_speculating_batch
 
 MODES = ("auto", "spec", "plain")
 
@@ -41,3 +42,12 @@ def choose_mode(
     if load <= cfg.spec_max_load:
         return "spec", f"auto: load {load} <= spec_max_load {cfg.spec_max_load}"
     return "plain", f"auto: load {load} > spec_max_load {cfg.spec_max_load}"
+
+
+def router_for_kernel(cfg: RouterConfig, schedules_by_kernel: dict | None, kernel: str) -> RouterConfig:
+    """``cfg`` with ``spec_max_load`` following the schedule the engine took for its compute path
+    (``engine.spec_schedule_by_kernel[kernel]``, validated), so requests are admitted as speculative
+    up to the load that path's schedule still drafts at; ``cfg`` itself when the path has no entry."""
+    if not schedules_by_kernel or kernel not in schedules_by_kernel:
+        return cfg
+    return cfg.model_copy(update={"spec_max_load": largest_speculating_batch(schedules_by_kernel[kernel])})

@@ -97,6 +97,10 @@ class EngineOptions:
         enable_int8_activations`: a tree row costs about a quarter of a float32 one). Each row still
         depends on itself alone, so speculative output still equals plain output. ``"auto"``: int8
         where the model is on GGUF blocks and the CPU has AVX512-VNNI.
+    spec_schedule_by_kernel: schedules (as ``spec_schedule``, not ``"auto"``) by the name of the
+        compute path they were measured on (:mod:`workers.kernel_name`, e.g. ``gguf-avx512-int8``,
+        ``gguf-avx2``); the engine takes the one of the path it runs on (:attr:`Engine.kernel`),
+        otherwise ``spec_schedule``.
     prompt_lookup_num_tokens: tokens of a prompt-lookup beam added to every draft tree (0: none),
         matched on n-grams of ``prompt_lookup_min`` to ``prompt_lookup_max`` tokens
         (:mod:`workers.redrafter.prompt_lookup`; vLLM's option names); after a step that accepted
@@ -108,6 +112,7 @@ class EngineOptions:
     num_beams: int = 2
     draft_len_per_beam: int = 2
     spec_schedule: str | list | None = None
+    spec_schedule_by_kernel: dict | None = None
     max_seq_len: int = 2048
     max_batch_size: int = 16
     max_num_tokens: int = 2048
@@ -166,6 +171,7 @@ class Engine:
         self.weights = use_gguf_weights(model, gguf, strict=opts.weights == "gguf") if gguf else None
         self.prefill_dtype = self._prefill_path(model, opts.prefill_dtype)
         self.decode_activations = self._decode_activations(model, opts.decode_activations)
+        self.kernel = self._kernel_name()
         self.tokenizer = load_tokenizer(model_path)
         cfg = model.config
         self.config = cfg
@@ -180,6 +186,9 @@ class Engine:
             self.spec_policy = spec_policy
         elif opts.spec_schedule == "auto":
             raise ValueError("spec_schedule 'auto' needs a spec_policy (the goodput model; see cluster.local_engine)")
+        elif self.kernel in (opts.spec_schedule_by_kernel or {}):
+            self.spec_schedule = validate_schedule(opts.spec_schedule_by_kernel[self.kernel])
+            log.info("speculation schedule of kernel %s (spec_schedule_by_kernel)", self.kernel)
         elif opts.spec_schedule is None:
             self.spec_schedule = fixed_schedule((opts.num_beams, opts.draft_len_per_beam), opts.max_batch_size)
         else:
@@ -240,6 +249,16 @@ class Engine:
             n = use_int8_activations(model)
             log.info("decode: %d GGUF linears take int8 activations (AVX512-VNNI)", n)
         return setting
+
+    def _kernel_name(self) -> str:
+        """:func:`workers.kernel_name.kernel_name` of the path this engine computes on."""
+        from workers.kernel_name import kernel_name
+        from workers.kernels import build
+
+        isa = build.load() if self.device.type == "cpu" and self.options.dtype == "float32" and build.available() \
+            else None
+        weights = "gguf" if self.weights is not None else self.options.dtype
+        return kernel_name(self.device.type, weights, isa, self.decode_activations == "int8")
 
     def _size_cache(self, cfg, dtype) -> KVCacheSize:
         opts = self.options

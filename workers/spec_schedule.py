@@ -95,6 +95,13 @@ def fixed_schedule(shape: Shape | None, max_batch_size: int) -> "SpecSchedule":
     return [SpecScheduleRow(max_batch_size=max_batch_size, num_beams=shape[0], draft_len_per_beam=shape[1])]
 
 
+def largest_speculating_batch(table: SpecSchedule) -> int:
+    """The largest number of generation requests ``table`` (validated) still drafts for; 0 when off.
+    A router that admits requests as speculative up to this load matches the table
+    (``router.spec_max_load``)."""
+    return 0 if table == "off" else max((r.max_batch_size for r in table if r.shape), default=0)
+
+
 def choose_shape(table: SpecSchedule, num_generation_requests: int) -> Shape | None:
     """``(num_beams, draft_len_per_beam)`` for a batch of ``num_generation_requests``, or None (off).
 

@@ -52,3 +52,32 @@ def test_calibrate_rejects_a_bad_shape(tiny_config_path):
     result = CliRunner().invoke(app, ["calibrate", "-c", str(tiny_config_path), "--shapes", "2by2"])
     assert result.exit_code == 2
     assert "expected NUM_BEAMSxDRAFT_LEN" in result.output
+
+
+def test_calibrate_fills_the_entry_of_the_kernel_it_ran_on(tiny_config_path, tmp_path):
+    """With engine.spec_schedule_by_kernel in the config, the table goes under the kernel measured;
+    the other kernels' entries, spec_schedule and router.spec_max_load stay as they were."""
+    import yaml
+
+    data = yaml.safe_load(tiny_config_path.read_text())
+    other = [{"max_batch_size": 7, "num_beams": 2, "draft_len_per_beam": 2}]
+    data["engine"]["spec_schedule_by_kernel"] = {"gguf-avx512-int8": other}
+    data["engine"]["spec_schedule"] = [{"max_batch_size": 3, "num_beams": 1, "draft_len_per_beam": 1}]
+    data.setdefault("router", {})["spec_max_load"] = 3
+    config = tiny_config_path.parent / "calibrate_by_kernel.yaml"
+    config.write_text(yaml.safe_dump(data))
+    out = tmp_path / "cal.json"
+    result = CliRunner().invoke(app, [
+        "calibrate", "-c", str(config), "--batch-sizes", "1,2", "--shapes", "1x2", "--repeats", "1",
+        "--max-tokens", "4", "--prompts-per-category", "1", "--context-len", "8", "--out", str(out),
+    ])
+    assert result.exit_code == 0, result.output
+    figures = json.loads(out.read_text())
+    kernel = figures["kernel"]
+    assert kernel.startswith(("float32-", "gguf-")) and f"engine.spec_schedule_by_kernel.{kernel} written" in result.output
+    written = load_config(config)
+    assert written.engine.spec_schedule_by_kernel[kernel] == (
+        "off" if figures["spec_schedule"] == "off" else [type(written.engine.spec_schedule[0])(**r) for r in figures["spec_schedule"]])
+    assert [r.model_dump() for r in written.engine.spec_schedule_by_kernel["gguf-avx512-int8"]] == other
+    assert [r.model_dump() for r in written.engine.spec_schedule] == [{"max_batch_size": 3, "num_beams": 1, "draft_len_per_beam": 1}]
+    assert written.router.spec_max_load == 3

@@ -87,6 +87,12 @@ def test_relative_paths_resolve_against_the_config_directory(tmp_path):
          "engine.prompt_lookup_max_num_tokens: 3 is below"),
         ("engine: {prompt_lookup_num_tokens: 4, backend: tensorrt_llm}",
          "engine.prompt_lookup_num_tokens: the prompt-lookup beam needs backend torch"),
+        ("engine: {spec_schedule_by_kernel: {avx2: off}}", r"engine.spec_schedule_by_kernel.avx2 \(key\): Value error, "
+         "'avx2' is not a kernel name: expected cuda or WEIGHTS-ISA"),
+        ("engine: {spec_schedule_by_kernel: {gguf-avx2: [{max_batch_size: 0, num_beams: 1, draft_len_per_beam: 1}]}}",
+         "engine.spec_schedule_by_kernel.gguf-avx2"),
+        ("engine: {spec_schedule: auto, spec_calibration: c.json, spec_schedule_by_kernel: {gguf-avx2: off}}\n"
+         "drafter: {path: d}", "engine.spec_schedule_by_kernel: not used with spec_schedule 'auto'"),
         ("engine: {tp_size: 0}", "engine.tp_size"),
         ("router: {default_mode: fast}", "router.default_mode"),
         ("router: {spec_max_load: -1}", "router.spec_max_load"),

@@ -38,3 +38,20 @@ def test_without_drafter_always_plain(requested):
 def test_unknown_mode_is_rejected():
     with pytest.raises(ValueError, match="mode"):
         choose_mode(1, "fast", RouterConfig(), True)
+
+
+def test_router_threshold_follows_the_kernels_schedule():
+    from cluster.router import router_for_kernel
+
+    cfg = RouterConfig(spec_max_load=2)
+    table = {"gguf-avx2": [{"max_batch_size": 4, "num_beams": 2, "draft_len_per_beam": 2},
+                           {"max_batch_size": 8, "num_beams": 1, "draft_len_per_beam": 2},
+                           {"max_batch_size": 16, "num_beams": 0, "draft_len_per_beam": 0}],
+             "gguf-avx512-int8": "off"}
+    from workers.spec_schedule import validate_schedule
+
+    table = {k: validate_schedule(v) for k, v in table.items()}
+    assert router_for_kernel(cfg, table, "gguf-avx2").spec_max_load == 8
+    assert router_for_kernel(cfg, table, "gguf-avx512-int8").spec_max_load == 0
+    assert router_for_kernel(cfg, table, "float32-torch") is cfg and router_for_kernel(cfg, None, "cuda") is cfg
+    assert cfg.spec_max_load == 2

@@ -1,0 +1,56 @@
+"""The name of the compute path an engine runs on, which its step costs (and so its speculation
+schedule) belong to.
+
+Step costs differ by an order of magnitude between paths: a draft-tree row costs about a quarter of
+a decode row with int8 activations on AVX512-VNNI, about as much as one on the float32 AVX2 kernel,
+and more on torch's GEMM. A schedule measured on one path (``rdserve calibrate``) is only right
+for that path, so configs key schedules by these names (``engine.spec_schedule_by_kernel``).
+
+Names: ``cuda``, or ``WEIGHTS-ISA[-int8]`` with WEIGHTS ``gguf`` (the GGUF's quantized blocks),
+``float32``, ``bfloat16`` or ``float16`` (the model's dtype), ISA ``avx512``, ``avx2`` (rdserve's C kernels, :mod:`workers.kernels.build`) or
+``torch`` (torch's GEMM), and ``-int8`` for int8 activations on GGUF blocks. Examples:
+``gguf-avx512-int8`` (the default model on an AVX512-VNNI server), ``gguf-avx2`` (most laptops),
+``float32-torch``.
+"""
+
+from __future__ import annotations
+
+import re
+
+WEIGHTS = ("gguf", "float32", "bfloat16", "float16")
+KERNEL_NAME = re.compile(r"^(cuda|(gguf|float32|bfloat16|float16)-(avx512|avx2|torch)(-int8)?)$")
+
+
+def kernel_name(device: str, weights: str, isa: str | None, int8_activations: bool) -> str:
+    """The path's name.
+
+    device: the engine's torch device (``"cpu"``, ``"cuda"``, ``"cuda:1"``...).
+    weights: ``"gguf"`` (the linears compute on GGUF blocks), ``"float32"``, ``"bfloat16"`` or ``"float16"``. isa: the C kernels' variant in use
+    (``"avx512"``/``"avx2"``), None for torch's GEMM. int8_activations: decode rows are quantized
+    to int8 (only on GGUF blocks).
+
+    Raises:
+        ValueError: int8 activations without GGUF blocks, or an unknown weights kind or ISA.
+    """
+    if device.startswith("cuda"):
+        return "cuda"
+    if weights not in WEIGHTS:
+        raise ValueError(f"unknown weights {weights!r}: expected one of {', '.join(WEIGHTS)}")
+    if int8_activations and weights != "gguf":
+        raise ValueError("int8 activations run on GGUF blocks only")
+    if isa not in (None, "avx512", "avx2"):
+        raise ValueError(f"unknown kernel ISA {isa!r}")
+    name = f"{weights}-{isa or 'torch'}"
+    return name + ("-int8" if int8_activations else "")
+
+
+def check_kernel_name(name: str) -> str:
+    """``name`` if it is a valid kernel name.
+
+    Raises:
+        ValueError: naming the expected form.
+    """
+    if not KERNEL_NAME.match(name):
+        raise ValueError(f"{name!r} is not a kernel name: expected cuda or WEIGHTS-ISA[-int8] with WEIGHTS "
+                         "gguf|float32|bfloat16|float16 and ISA avx512|avx2|torch, e.g. gguf-avx512-int8, gguf-avx2, float32-torch")
+    return name
