@@ -62,6 +62,7 @@ def main() -> None:
     overrides = {"num_beams": args.num_beams, "draft_len_per_beam": args.draft_len_per_beam, "dtype": args.dtype}
     update = {k: v for k, v in overrides.items() if v}
     update["spec_schedule"] = None  # measure the num_beams x draft_len_per_beam shape, not the schedule
+    update["spec_schedule_by_kernel"] = None
     cfg.engine = cfg.engine.model_copy(update=update)
     e = cfg.engine
     engine = build_engine(cfg)

@@ -180,17 +180,31 @@ def _round_trip(config: Path):
 
 
 def _write_kernel_schedule(config: Path, kernel: str, rows, note: str) -> None:
-    """Set ``engine.spec_schedule_by_kernel[kernel]`` in the YAML file, keeping the rest."""
-    from ruamel.yaml.comments import CommentedMap
+    """Set ``engine.spec_schedule_by_kernel[kernel]`` in the YAML file, keeping the rest (comments
+    included; a new entry gets ``note`` as its comment, an existing one keeps its own)."""
+    from ruamel.yaml.comments import CommentedMap, CommentedSeq
 
     rt, data = _round_trip(config)
     engine = data.setdefault("engine", CommentedMap())
     table = engine.get("spec_schedule_by_kernel")
     if not isinstance(table, CommentedMap):
         table = engine["spec_schedule_by_kernel"] = CommentedMap()
-    table[kernel] = _yaml_rows(rows)
-    table.ca.items.pop(kernel, None)
-    table.yaml_add_eol_comment(note, kernel)
+    table.fa.set_block_style()  # `{}` in the file: rows and notes read better in block style
+    old, new = table.get(kernel), _yaml_rows(rows)
+    existed = kernel in table
+    # ruamel keeps the full-line comments that follow an entry on its rows' sequence (or on the key of
+    # an inline value): refill that sequence in place and keep the key's comments, so that no other
+    # entry loses the note above it
+    if isinstance(old, CommentedSeq) and isinstance(new, CommentedSeq):
+        last = old.ca.items.get(len(old) - 1)
+        del old[:]
+        old.extend(new)
+        if last is not None:
+            old.ca.items[len(old) - 1] = last
+    else:
+        table[kernel] = new
+    if not existed:
+        table.yaml_add_eol_comment(note, kernel)
     with config.open("w") as f:
         rt.dump(data, f)
 

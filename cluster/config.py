@@ -138,7 +138,9 @@ class RouterConfig(_Section):
     0 turns speculation off for ``auto`` requests.
     """
 
-    spec_max_load: int = Field(4, ge=0)
+    spec_max_load: int = Field(4, ge=0, description="auto requests speculate while the replica holds at most this "
+                               "many; on a replica whose kernel has an engine.spec_schedule_by_kernel entry, that "
+                               "table's largest speculating batch size replaces it")
     default_mode: Literal["auto", "spec", "plain"] = "auto"
     auto: AutoPolicyConfig = Field(default_factory=lambda: AutoPolicyConfig())
 

@@ -81,8 +81,8 @@ def serve_replica_id() -> str:
 def _schedule_text(engine) -> str:
     """The engine's speculation schedule for a log line: ``auto``, ``off`` or ``1x2<=2, off above``."""
     table = engine.spec_schedule
-    if table in ("auto", "off"):
-        return table
+    if table in ("auto", "off") or not table:
+        return table or "off"
     rows = [f"{r.num_beams}x{r.draft_len_per_beam}<={r.max_batch_size}" if r.shape else f"off<={r.max_batch_size}"
             for r in table]
     return ", ".join(rows) + ", off above"

@@ -244,7 +244,8 @@ class Engine:
             from workers.kernels.build import missing_cpu_flags
             from workers.kernels.quant_linear import INT8_CPU_FLAGS
 
-            setting = "int8" if self.weights is not None and not missing_cpu_flags(INT8_CPU_FLAGS) else "float32"
+            on_blocks = self.weights is not None and bool(self.weights.quantized)  # some layer is on Q4_1/Q8_0
+            setting = "int8" if on_blocks and not missing_cpu_flags(INT8_CPU_FLAGS) else "float32"
         if setting == "int8":
             n = use_int8_activations(model)
             log.info("decode: %d GGUF linears take int8 activations (AVX512-VNNI)", n)
@@ -257,7 +258,7 @@ class Engine:
 
         isa = build.load() if self.device.type == "cpu" and self.options.dtype == "float32" and build.available() \
             else None
-        weights = "gguf" if self.weights is not None else self.options.dtype
+        weights = "gguf" if self.weights is not None and self.weights.quantized else self.options.dtype
         return kernel_name(self.device.type, weights, isa, self.decode_activations == "int8")
 
     def _size_cache(self, cfg, dtype) -> KVCacheSize:

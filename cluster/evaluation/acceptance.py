@@ -102,7 +102,8 @@ def sweep_shapes(cfg: RdserveConfig, prompts: Sequence[PromptRow], shapes: Seque
     results = []
     for num_beams, draft_len in tqdm(shapes, desc="acceptance sweep", disable=not progress, leave=False):
         shaped = cfg.model_copy(update={"engine": cfg.engine.model_copy(  # the shape, not the config's schedule
-            update={"num_beams": num_beams, "draft_len_per_beam": draft_len, "spec_schedule": None})})
+            update={"num_beams": num_beams, "draft_len_per_beam": draft_len, "spec_schedule": None,
+                    "spec_schedule_by_kernel": None})})
         engine = build_engine(shaped)
         results.append({"num_beams": num_beams, "draft_len_per_beam": draft_len,
                         "by_category": measure_engine(engine, prompts, max_tokens)})

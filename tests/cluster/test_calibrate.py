@@ -81,3 +81,35 @@ def test_calibrate_fills_the_entry_of_the_kernel_it_ran_on(tiny_config_path, tmp
     assert [r.model_dump() for r in written.engine.spec_schedule_by_kernel["gguf-avx512-int8"]] == other
     assert [r.model_dump() for r in written.engine.spec_schedule] == [{"max_batch_size": 3, "num_beams": 1, "draft_len_per_beam": 1}]
     assert written.router.spec_max_load == 3
+
+
+def test_writing_one_kernels_entry_keeps_the_others_and_their_comments(tmp_path):
+    from cluster.calibrate_cli import _write_kernel_schedule
+
+    text = """engine:
+  spec_schedule_by_kernel:
+    # laptops
+    gguf-avx2:
+    - {max_batch_size: 2, num_beams: 1, draft_len_per_beam: 2}
+    # servers: keep
+    gguf-avx512-int8:
+    - {max_batch_size: 2, num_beams: 1, draft_len_per_beam: 2}
+    float32-avx2: off
+    # the router follows the schedule
+router:
+  spec_max_load: 2
+"""
+    config = tmp_path / "c.yaml"
+    rows = [{"max_batch_size": 4, "num_beams": 2, "draft_len_per_beam": 2}]
+    for kernel, value in (("gguf-avx2", rows), ("float32-avx2", "off"), ("float32-torch", rows)):
+        config.write_text(text)
+        _write_kernel_schedule(config, kernel, value, "new note")
+        written = config.read_text()
+        for comment in ("# laptops", "# servers: keep", "# the router follows the schedule"):
+            assert comment in written, (kernel, written)
+        assert ("# new note" in written) == (kernel == "float32-torch"), written  # only a new entry gets the note
+        table = load_config(config).engine.spec_schedule_by_kernel
+        assert (table[kernel] if value == "off" else [r.model_dump() for r in table[kernel]]) == value
+        assert [r.model_dump() for r in table["gguf-avx512-int8"]] == [
+            {"max_batch_size": 2, "num_beams": 1, "draft_len_per_beam": 2}]
+        assert load_config(config).router.spec_max_load == 2

@@ -91,6 +91,8 @@ def train(
         raise typer.BadParameter(f"must be shared or full, got {head_type!r}", param_hint="--head-type")
     if lr <= 0:
         raise typer.BadParameter(f"must be > 0, got {lr}", param_hint="--lr")
+    if init_from is not None:  # checked now, not after hours of data generation
+        _check_init_from(init_from, head_type, num_draft_layers)
     import torch
 
     from workers.engine import Engine
@@ -156,6 +158,25 @@ def train(
         console.print(table)
     (out / "checkpoint.pt").unlink(missing_ok=True)
     console.print(f"drafter written to {out}")
+
+
+def _check_init_from(path: Path, head_type: str, num_draft_layers: int) -> None:
+    """``--init-from``'s drafter must exist and have the architecture being trained.
+
+    Raises:
+        typer.BadParameter: naming what is missing or differs.
+    """
+    cfg = path / "config.json"
+    if not cfg.is_file() or not any(path.glob("*.safetensors")):
+        raise typer.BadParameter(f"{path} is not a drafter directory (needs config.json and *.safetensors)",
+                                 param_hint="--init-from")
+    raw = json.loads(cfg.read_text())
+    theirs = {"head_type": raw.get("head_type", "full"), "num_draft_layers": raw.get("num_draft_layers")}
+    mine = {"head_type": head_type, "num_draft_layers": num_draft_layers}
+    for key in mine:
+        if theirs[key] != mine[key]:
+            raise typer.BadParameter(f"{path} has {key} {theirs[key]}, this training {mine[key]} "
+                                     f"(pass --{key.replace('_', '-')} {theirs[key]})", param_hint="--init-from")
 
 
 def _per_category(rows: list[dict], n: int) -> list[dict]:

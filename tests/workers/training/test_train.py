@@ -112,3 +112,18 @@ def test_init_from_another_architecture_names_what_differs(distilled, tmp_path):
     train_drafter(base, ex, tmp_path / "one_block", num_draft_layers=1, **kw)
     with pytest.raises(ValueError, match="num_draft_layers is 1, the drafter being trained has 2"):
         train_drafter(base, ex, tmp_path / "two_blocks", num_draft_layers=2, init_from=tmp_path / "one_block", **kw)
+
+
+def test_train_cli_checks_init_from_before_generating_data(tmp_path, trained_drafter_dirs):
+    """A wrong --init-from fails at once with an error naming the option, not after data generation."""
+    from typer.testing import CliRunner
+
+    from cluster.cli import app
+
+    drafter = trained_drafter_dirs["tied_gqa2"]
+    base = ["drafter", "train", "--out", str(tmp_path / "out"), "--data-dir", str(tmp_path / "never")]
+    missing = CliRunner().invoke(app, base + ["--init-from", str(tmp_path / "nowhere")])
+    assert missing.exit_code == 2 and "is not a drafter directory" in missing.output
+    other = CliRunner().invoke(app, base + ["--init-from", str(drafter), "--num-draft-layers", "3"])
+    assert other.exit_code == 2 and "num_draft_layers" in other.output and "--init-from" in other.output
+    assert not (tmp_path / "never").exists()
