@@ -27,7 +27,8 @@ def build_engine(cfg: RdserveConfig, tp_gpus: list[str] | None = None):
     drafter_dir = cfg.drafter.path
     options = EngineOptions(
         device=eng.device, dtype=eng.dtype, num_beams=eng.num_beams, draft_len_per_beam=eng.draft_len_per_beam,
-        spec_schedule=eng.spec_schedule, spec_schedule_by_kernel=eng.spec_schedule_by_kernel, max_seq_len=eng.max_seq_len, max_batch_size=eng.max_batch_size,
+        spec_schedule=eng.spec_schedule, spec_schedule_by_kernel=eng.spec_schedule_by_kernel,
+        max_seq_len=eng.max_seq_len, max_batch_size=eng.max_batch_size,
         max_num_tokens=eng.max_num_tokens, max_prefill_chunk=eng.max_prefill_chunk,
         tokens_per_block=eng.tokens_per_block, num_kv_blocks=eng.num_kv_blocks,
         kv_cache_fraction=eng.kv_cache_fraction,
