@@ -25,7 +25,6 @@ activations are.
 
 from __future__ import annotations
 
-import functools
 
 import torch
 
@@ -34,18 +33,12 @@ MAX_THREADS = 4
 PREFILL_DTYPES = ("auto", "float32", "bfloat16")
 
 
-@functools.lru_cache(maxsize=1)
 def amx_bf16_available() -> bool:
     """Whether this CPU has AMX bfloat16 tiles (Linux ``/proc/cpuinfo`` flag ``amx_bf16``); False
     where that cannot be read."""
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return "amx_bf16" in line.split()
-    except OSError:
-        pass
-    return False
+    from workers.kernels.build import missing_cpu_flags
+
+    return not missing_cpu_flags({"amx_bf16"})
 
 
 def resolve_prefill_dtype(setting: str) -> str:

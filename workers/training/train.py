@@ -250,8 +250,8 @@ def default_autocast_dtype() -> torch.dtype:
     else float32."""
     from workers.kernels.build import missing_cpu_flags
 
-    has = lambda flag: not missing_cpu_flags({flag})  # noqa: E731
-    return torch.bfloat16 if has("amx_bf16") or has("avx512_bf16") else torch.float32
+    bf16_flags = {"amx_bf16", "avx512_bf16"}
+    return torch.bfloat16 if missing_cpu_flags(bf16_flags) != sorted(bf16_flags) else torch.float32
 
 
 def _load_initial_weights(drafter: ReDrafter, path: Path, base_lm_head: torch.Tensor) -> None:
