@@ -72,10 +72,10 @@ class EngineConfig(_Section):
         "weights are gguf and the CPU has AMX bfloat16 tiles. See BENCHMARKS.md, 'Prefill in bfloat16'")
     decode_activations: Literal["auto", "float32", "int8"] = Field(
         "auto", description="activations of decode steps and draft-tree rows in the GGUF-block linears: 'int8' "
-        "(per 32 values, llama.cpp's Q8_1 activations on AVX512-VNNI: a tree row costs about a quarter of a "
-        "float32 one; output close to, not equal to, float32's; spec output still equals plain), 'float32' "
-        "(bit-identical to the dequantized model); 'auto': int8 where weights are gguf and the CPU has "
-        "AVX512-VNNI. See BENCHMARKS.md, 'Int8 activations'")
+        "(per 32 values, llama.cpp's Q8_1 activations with integer dot products on AVX512-VNNI or AVX2, the same "
+        "results: a tree row costs a quarter (VNNI) to two thirds (AVX2) of a float32 one; output close to, not "
+        "equal to, float32's; spec output still equals plain), 'float32' (bit-identical to the dequantized "
+        "model); 'auto': int8 where weights are gguf. See BENCHMARKS.md, 'Int8 activations'")
     tp_size: int = Field(1, ge=1, description="tensor-parallel ranks per replica")
     prompt_lookup_num_tokens: int = Field(
         4, ge=0, le=16, description="a prompt-lookup beam of this many tokens joins every draft tree: it copies "

@@ -93,10 +93,11 @@ class EngineOptions:
     decode_activations: ``"float32"``, ``"int8"`` or ``"auto"``: activations of the rows GGUF-block
         linears compute outside the bfloat16 prefill (decode steps, draft trees, recomputed tokens):
         float32 (output bit-identical to the dequantized float32 model), or int8 per 32-value block,
-        llama.cpp's Q8_1 activations on AVX512-VNNI (:meth:`~workers.kernels.quant_linear.QuantLinear.
-        enable_int8_activations`: a tree row costs about a quarter of a float32 one). Each row still
-        depends on itself alone, so speculative output still equals plain output. ``"auto"``: int8
-        where the model is on GGUF blocks and the CPU has AVX512-VNNI.
+        llama.cpp's Q8_1 activations with integer dot products (AVX512-VNNI, or the same results on
+        AVX2; :meth:`~workers.kernels.quant_linear.QuantLinear.enable_int8_activations`: a tree row
+        costs a quarter (VNNI) to two thirds (AVX2) of a float32 one). Each row still depends on
+        itself alone, so speculative output still equals plain output. ``"auto"``: int8 where the
+        model is on GGUF blocks.
     spec_schedule_by_kernel: schedules (as ``spec_schedule``, not ``"auto"``) by the name of the
         compute path they were measured on (:mod:`workers.kernel_name`, e.g. ``gguf-avx512-int8``,
         ``gguf-avx2``); the engine takes the one of the path it runs on (:attr:`Engine.kernel`),
@@ -234,21 +235,18 @@ class Engine:
 
         Raises:
             ValueError: ``"int8"`` without GGUF-block weights.
-            KernelUnavailable: ``"int8"`` on a CPU without AVX512-VNNI (named).
         """
         if setting == "int8" and self.weights is None:
             raise ValueError("decode_activations 'int8' needs the model on GGUF blocks (weights 'gguf', or 'auto' "
                              f"with a GGUF model, and tp_size 1; got weights {self.options.weights!r}, "
                              f"tp_size {self.options.tp_size})")
-        if setting == "auto":
-            from workers.kernels.build import missing_cpu_flags
-            from workers.kernels.quant_linear import INT8_CPU_FLAGS
-
-            on_blocks = self.weights is not None and bool(self.weights.quantized)  # some layer is on Q4_1/Q8_0
-            setting = "int8" if on_blocks and not missing_cpu_flags(INT8_CPU_FLAGS) else "float32"
+        if setting == "auto":  # int8 wherever some layer is on Q4_1/Q8_0 blocks (the C kernels loaded)
+            setting = "int8" if self.weights is not None and bool(self.weights.quantized) else "float32"
         if setting == "int8":
+            from workers.kernels.quant_linear import best_int8_kernel
+
             n = use_int8_activations(model)
-            log.info("decode: %d GGUF linears take int8 activations (AVX512-VNNI)", n)
+            log.info("decode: %d GGUF linears take int8 activations (%s kernel)", n, best_int8_kernel())
         return setting
 
     def _kernel_name(self) -> str:

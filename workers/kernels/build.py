@@ -18,7 +18,7 @@ already loaded, so it uses torch's threads (``torch.set_num_threads``).
 The AVX512-VNNI kernels (``vnni_gemm.h``: ``q4_1_vnni.c``, ``q8_0_vnni.c``) are compiled into both
 variants through GCC's / Clang's ``target`` function attribute, not a command-line flag, so each
 library still loads on CPUs without VNNI; callers run them only where :func:`missing_cpu_flags`
-finds their flags.
+finds their flags. Their AVX2 twins (``int8_avx2.c``, the same results bit for bit) run anywhere.
 
 Without AVX2+FMA+F16C the build is refused and torch's GEMM is used. Set ``RDSERVE_CPU_KERNELS=0``
 to use torch's GEMM anyway.
@@ -45,8 +45,9 @@ log = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
 SOURCES = [HERE / "packed_gemm.c", HERE / "q4_1_gemm.c", HERE / "q8_0_gemm.c", HERE / "q4_1_vnni.c",
-           HERE / "q8_0_vnni.c", HERE / "rms_norm.c", HERE / "decode_attention.c", HERE / "rope_kv.c"]
-HEADERS = [HERE / "simd.h", HERE / "panel_gemm.h", HERE / "vnni_gemm.h"]
+           HERE / "q8_0_vnni.c", HERE / "int8_avx2.c", HERE / "rms_norm.c", HERE / "decode_attention.c", HERE / "rope_kv.c"]
+HEADERS = [HERE / "simd.h", HERE / "panel_gemm.h", HERE / "vnni_gemm.h", HERE / "int8_linear.h"]
+INT8_ENTRIES = ("rd_linear_q4_1_vnni", "rd_linear_q8_0_vnni", "rd_linear_q4_1_int8_avx2", "rd_linear_q8_0_int8_avx2")
 FLAGS = ["-O3", "-mtune=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 ISA_FLAGS = {
     "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"],
@@ -253,9 +254,9 @@ def _load_once(isa: str) -> tuple[ctypes.CDLL | None, KernelUnavailable | None]:
         return None, e
     except (OSError, subprocess.SubprocessError) as e:
         return None, KernelUnavailable(f"cannot build or load the kernel library: {e}")
-    for name in ("rd_linear_packed", "rd_linear_q4_1", "rd_linear_q8_0", "rd_linear_q4_1_vnni", "rd_linear_q8_0_vnni"):
+    for name in ("rd_linear_packed", "rd_linear_q4_1", "rd_linear_q8_0", *INT8_ENTRIES):
         getattr(lib, name).argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3
-        getattr(lib, name).restype = ctypes.c_int if name.endswith("_vnni") else None
+        getattr(lib, name).restype = ctypes.c_int if name in INT8_ENTRIES else None
     P, L, F = ctypes.c_void_p, ctypes.c_long, ctypes.c_float
     lib.rd_rms_norm.argtypes = [P] * 4 + [L] * 2 + [F]
     lib.rd_rms_norm.restype = None

@@ -10,7 +10,8 @@ PackedLinear` returns on the dequantized weights, and every row's result is inde
 other rows. Activations stay float32, except the prompt rows of a prefill on the bfloat16 path
 (:meth:`QuantLinear.enable_bf16_prefill`, :mod:`workers.kernels.prefill_bf16`) and, when switched
 on, every other row on the int8-activation path (:meth:`QuantLinear.enable_int8_activations`,
-``vnni_gemm.h``: llama.cpp's Q4_1 x Q8_1 and Q8_0 x Q8_0 dot products on AVX512-VNNI).
+``vnni_gemm.h``: llama.cpp's Q4_1 x Q8_1 and Q8_0 x Q8_0 dot products on AVX512-VNNI, or
+``int8_avx2.c``, the same results on AVX2).
 """
 
 from __future__ import annotations
@@ -23,8 +24,16 @@ from workers.kernels.gguf_blocks import FORMATS, dequantize_panels, panels_from_
 from workers.kernels.prefill_bf16 import prefill_linear
 
 _ENTRY = {"Q4_1": "rd_linear_q4_1", "Q8_0": "rd_linear_q8_0"}
-_INT8_ENTRY = {"Q4_1": "rd_linear_q4_1_vnni", "Q8_0": "rd_linear_q8_0_vnni"}
+_INT8_ENTRY = {("vnni", "Q4_1"): "rd_linear_q4_1_vnni", ("vnni", "Q8_0"): "rd_linear_q8_0_vnni",
+               ("avx2", "Q4_1"): "rd_linear_q4_1_int8_avx2", ("avx2", "Q8_0"): "rd_linear_q8_0_int8_avx2"}
 INT8_CPU_FLAGS = {"avx512f", "avx512bw", "avx512_vnni"}  # vnni_gemm.h's instructions, as /proc/cpuinfo names them
+INT8_KERNELS = ("vnni", "avx2")
+
+
+def best_int8_kernel() -> str:
+    """The int8-activation kernel this CPU runs fastest: ``"vnni"`` (AVX512-VNNI) where the CPU has
+    :data:`INT8_CPU_FLAGS`, else ``"avx2"`` (``int8_avx2.c``; same results bit for bit)."""
+    return "avx2" if build.missing_cpu_flags(INT8_CPU_FLAGS) else "vnni"
 
 
 class QuantLinear(torch.nn.Module):
@@ -62,6 +71,7 @@ class QuantLinear(torch.nn.Module):
         self.isa = build.load()  # fail here, not in the first forward
         self.prefill_weight: torch.Tensor | None = None  # bfloat16 [N, K] once enable_bf16_prefill()
         self.int8_activations = False  # True once enable_int8_activations()
+        self.int8_kernel: str | None = None  # "vnni" or "avx2" once enable_int8_activations()
         self._entry = _ENTRY[fmt]
 
     def enable_bf16_prefill(self) -> None:
@@ -69,29 +79,39 @@ class QuantLinear(torch.nn.Module):
         (``forward(x, prefill_rows)``; :mod:`workers.kernels.prefill_bf16`)."""
         self.prefill_weight = self.weight.detach().to(torch.bfloat16).contiguous()
 
-    def enable_int8_activations(self) -> None:
+    def enable_int8_activations(self, kernel: str | None = None) -> None:
         """From now on, compute the rows :meth:`forward` does not send to the bfloat16 prefill path
-        with activations quantized to int8 (``vnni_gemm.h``; llama.cpp's Q8_1 activations): per row
+        with activations quantized to int8 (``int8_linear.h``; llama.cpp's Q8_1 activations): per row
         and block of 32 k, scale ``s = max|x| / 127`` (float32) and ``a = round(x / s)`` in
         ``[-127, 127]`` (``x * (1 / s)`` rounded half to even, as ``quantize_row_q8_1``). Each
         output is then ``sum_b s_b * sum_k w a`` over the k-blocks ``b`` in order, the inner sum
-        exact in integers (AVX512-VNNI ``vpdpbusd``, 64 products per instruction) and rounded once
-        to float32, then ``+ bias``. A row's result still depends on that row alone (not on M, its
-        neighbours or the thread count), but no longer equals the float32 kernel's: the error is
-        that of int8 activations (~0.5% of the output's norm with Gaussian activations; the tests
-        measure it). A NaN activation is not propagated: it quantizes to -127 (a float32 row would
-        give NaN outputs). Reorders the panels in place (same bytes per weight, :func:`~workers.kernels.
-        gguf_blocks.reorder_for_vnni`); :attr:`weight` is unchanged. Idempotent.
+        exact in integers and rounded once to float32, then ``+ bias``. A row's result still depends
+        on that row alone (not on M, its neighbours or the thread count), but no longer equals the
+        float32 kernel's: the error is that of int8 activations (~0.5% of the output's norm with
+        Gaussian activations; the tests measure it). A NaN activation is not propagated: it
+        quantizes to -127 (a float32 row would give NaN outputs). Reorders the panels in place (same
+        bytes per weight, :func:`~workers.kernels.gguf_blocks.reorder_for_vnni`); :attr:`weight` is
+        unchanged. Idempotent; a second call may switch the kernel.
+
+        kernel: ``"vnni"`` (AVX512-VNNI ``vpdpbusd``, 64 products per instruction; ``vnni_gemm.h``),
+        ``"avx2"`` (``vpmaddubsw``, 32 per instruction; ``int8_avx2.c``), both the same bits, or
+        None for :func:`best_int8_kernel`.
 
         Raises:
-            KernelUnavailable: the CPU lacks AVX512-VNNI (or AVX512F / AVX512BW); the message names it.
+            ValueError: an unknown kernel.
+            KernelUnavailable: ``"vnni"`` on a CPU without AVX512-VNNI (or AVX512F / AVX512BW); the
+                message names what it lacks.
         """
-        missing = build.missing_cpu_flags(INT8_CPU_FLAGS)
+        kernel = kernel or best_int8_kernel()
+        if kernel not in INT8_KERNELS:
+            raise ValueError(f"int8 kernel must be one of {', '.join(INT8_KERNELS)}, got {kernel!r}")
+        missing = build.missing_cpu_flags(INT8_CPU_FLAGS) if kernel == "vnni" else []
         if missing:
-            raise build.KernelUnavailable(f"int8 activations need AVX512-VNNI; this CPU lacks {', '.join(missing)}")
+            raise build.KernelUnavailable(f"the vnni int8 kernel needs AVX512-VNNI; this CPU lacks {', '.join(missing)}")
         if not self.int8_activations:
             reorder_for_vnni(self.fmt, self.panels)
-            self.int8_activations, self._entry = True, _INT8_ENTRY[self.fmt]
+            self.int8_activations = True
+        self.int8_kernel, self._entry = kernel, _INT8_ENTRY[kernel, self.fmt]
 
     @property
     def weight(self) -> torch.Tensor:
@@ -137,4 +157,4 @@ class QuantLinear(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return (f"fmt={self.fmt}, in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.bias is not None}, int8_activations={self.int8_activations}")
+                f"bias={self.bias is not None}, int8_activations={self.int8_activations}, int8_kernel={self.int8_kernel}")

@@ -46,6 +46,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "int8_linear.h"
+
 #define VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vnni")))
 #define PANEL 32
 #define KBLOCK 32
@@ -149,8 +151,7 @@ vnni_rows(const int fmt, const int MR, const int8_t *a, const float *scale, cons
     }
 }
 
-typedef void (*vnni_kernel)(const int8_t *, const float *, const float *, long, const uint8_t *, const float *,
-                            float *, long, long);
+typedef int8_kernel vnni_kernel;
 
 /* NAME##_k1 .. NAME##_k12: vnni_rows for FMT with 1..12 rows, and NAME##_kernels[1..12]. */
 #define VNNI_KERNEL(NAME, FMT, MR)                                                                          \
@@ -164,42 +165,10 @@ typedef void (*vnni_kernel)(const int8_t *, const float *, const float *, long, 
     static const vnni_kernel NAME##_kernels[ROWS + 1] = {NULL, NAME##_k1, NAME##_k2, NAME##_k3, NAME##_k4,      \
         NAME##_k5, NAME##_k6, NAME##_k7, NAME##_k8, NAME##_k9, NAME##_k10, NAME##_k11, NAME##_k12};
 
-/* A format's entry: x is quantized by the calling thread when it is at most SERIAL_BLOCKS blocks
- * (decode steps and small trees: cheaper than a barrier), else by all threads (an equal share of
- * its blocks each); then the threads split the panels, each panel running its rows in blocks of up
- * to ROWS while it is in cache. Returns 0, or -1 (y untouched) when the buffer for the quantized
- * activations cannot be allocated. */
-#define SERIAL_BLOCKS 256
+/* A format's entry (int8_linear.h). */
 static inline int vnni_linear(const int fmt, const vnni_kernel *kernels, const float *x, const void *w,
                               const float *bias, float *y, long M, long K, long N) {
-    const long nb = K / KBLOCK, panels = (N + PANEL - 1) / PANEL, blocks = M * nb;
-    const size_t panel_bytes = (size_t)nb * vnni_block_bytes(fmt);
-    float *scale = malloc((size_t)blocks * 2 * sizeof(float) + (size_t)M * K);
-    if (!scale) return -1;
-    float *asum = scale + blocks;
-    int8_t *a = (int8_t *)(asum + blocks);
-    const int serial = blocks <= SERIAL_BLOCKS;
-    if (serial) quantize_blocks(x, 0, blocks, a, scale, asum);
-#pragma omp parallel
-    {
-        if (!serial) { /* every thread or none takes this branch */
-            long t = omp_get_thread_num(), T = omp_get_num_threads();
-            quantize_blocks(x, blocks * t / T, blocks * (t + 1) / T, a, scale, asum);
-#pragma omp barrier
-        }
-#pragma omp for schedule(static)
-        for (long p = 0; p < panels; p++) {
-            long n0 = p * PANEL;
-            long nvalid = N - n0 < PANEL ? N - n0 : PANEL;
-            for (long m0 = 0; m0 < M; m0 += ROWS) {
-                long mr = M - m0 < ROWS ? M - m0 : ROWS;
-                kernels[mr](a + m0 * K, scale + m0 * nb, asum + m0 * nb, K, (const uint8_t *)w + p * panel_bytes,
-                            bias ? bias + n0 : NULL, y + m0 * N + n0, N, nvalid);
-            }
-        }
-    }
-    free(scale);
-    return 0;
+    return int8_linear(quantize_blocks, kernels, ROWS, (size_t)vnni_block_bytes(fmt), x, w, bias, y, M, K, N);
 }
 
 #endif

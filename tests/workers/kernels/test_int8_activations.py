@@ -1,9 +1,9 @@
-"""The int8-activation kernels (workers/kernels/vnni_gemm.h: q4_1_vnni.c, q8_0_vnni.c;
-``QuantLinear.enable_int8_activations``): the layout keeps every weight, they compute exactly the
-int8 activations they document (llama.cpp's Q8_1 quantization), their error against float64 is that
-of int8 activations, and a row's result is independent of M, its neighbours, the row block and the
-thread count, on each instruction-set build (``isa`` fixture; the kernels are the same AVX512-VNNI
-code in both)."""
+"""The int8-activation kernels (``QuantLinear.enable_int8_activations``): ``vnni``
+(workers/kernels/vnni_gemm.h: q4_1_vnni.c, q8_0_vnni.c; AVX512-VNNI) and ``avx2`` (int8_avx2.c; any
+CPU the kernels load on). The layout keeps every weight, they compute exactly the int8 activations
+they document (llama.cpp's Q8_1 quantization), their error against float64 is that of int8
+activations, a row's result is independent of M, its neighbours, the row block and the thread
+count, on each instruction-set build (``isa`` fixture), and the two kernels give the same bits."""
 
 from __future__ import annotations
 
@@ -18,11 +18,17 @@ from workers.kernels.gguf_blocks import dequantize_panels, panels_from_blocks, r
 from workers.kernels.prefill_bf16 import prefill_linear
 from workers.kernels.quant_linear import INT8_CPU_FLAGS, QuantLinear
 
-pytestmark = pytest.mark.skipif(bool(build.missing_cpu_flags(INT8_CPU_FLAGS)),
-                                reason=f"needs AVX512-VNNI (this CPU lacks {', '.join(build.missing_cpu_flags(INT8_CPU_FLAGS))})")
-
 FORMATS = ("Q4_1", "Q8_0")
-ROWS = 12  # vnni_gemm.h's rows per register block
+ROWS = {"vnni": 12, "avx2": 6}  # rows per register block: vnni_gemm.h's ROWS, int8_avx2.c's ROWS_AVX2
+NO_VNNI = build.missing_cpu_flags(INT8_CPU_FLAGS)
+
+
+@pytest.fixture(params=["vnni", "avx2"])
+def kernel(request):
+    """The int8 kernel under test; ``vnni`` only where the CPU has AVX512-VNNI."""
+    if request.param == "vnni" and NO_VNNI:
+        pytest.skip(f"needs AVX512-VNNI (this CPU lacks {', '.join(NO_VNNI)})")
+    return request.param
 
 
 def gguf_blocks(fmt: str, n: int, k: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -32,10 +38,10 @@ def gguf_blocks(fmt: str, n: int, k: int, seed: int = 0) -> tuple[np.ndarray, np
     return blocks, dequantize(blocks, GGMLQuantizationType[fmt]).reshape(n, k).astype(np.float64)
 
 
-def int8_layer(fmt: str, n: int, k: int, seed: int = 0, bias: bool = False) -> tuple[QuantLinear, np.ndarray]:
+def int8_layer(fmt: str, n: int, k: int, kernel: str, seed: int = 0, bias: bool = False) -> tuple[QuantLinear, np.ndarray]:
     blocks, w = gguf_blocks(fmt, n, k, seed)
     lin = QuantLinear(fmt, blocks, k, torch.randn(n) if bias else None)
-    lin.enable_int8_activations()
+    lin.enable_int8_activations(kernel)
     return lin, w
 
 
@@ -85,14 +91,14 @@ def integer_blocks(fmt: str, q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("n,k", [(70, 64), (40, 576)])
-def test_exact_when_every_value_is_an_integer(fmt, n, k, isa):
+def test_exact_when_every_value_is_an_integer(fmt, n, k, isa, kernel):
     """Integer weights and activations with max |x| = 127 in every block: s = 1, a = x, and every
     product and sum is an exact float32 integer, so the result is the integer matmul bit for bit
-    (checks the layouts, the Q8_0 sign offset and vpdpbusd's operand order exactly)."""
+    (checks the layouts, the Q8_0 sign offset and the operand order of vpdpbusd / vpmaddubsw exactly)."""
     rng = np.random.default_rng(k)
     blocks, w = integer_blocks(fmt, rng.integers(0, 16, (n, k)) if fmt == "Q4_1" else rng.integers(-128, 128, (n, k)))
     lin = QuantLinear(fmt, blocks, k)
-    lin.enable_int8_activations()
+    lin.enable_int8_activations(kernel)
     x = rng.integers(-127, 128, (5, k))
     x.reshape(5, k // 32, 32)[:, :, 0] = 127
     got = lin(torch.from_numpy(x.astype(np.float32)))
@@ -100,12 +106,27 @@ def test_exact_when_every_value_is_an_integer(fmt, n, k, isa):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
+def test_extreme_products_do_not_saturate(fmt, isa, kernel):
+    """The largest integer sums each kernel can meet, exactly: every weight at its extreme (Q4_1 15,
+    Q8_0 -128 and 127) times activations of +-127 of both signs (vpmaddubsw's int16 pairs and the
+    AVX2 kernel's int16 block sums are where a wrong bound would saturate)."""
+    k = 64
+    for q in ([15, 0] if fmt == "Q4_1" else [-128, 127]):
+        blocks, w = integer_blocks(fmt, np.full((32, k), q))
+        lin = QuantLinear(fmt, blocks, k)
+        lin.enable_int8_activations(kernel)
+        x = np.array([np.full(k, 127), np.full(k, -127), np.tile([127, -127], k // 2)])
+        got = lin(torch.from_numpy(x.astype(np.float32)))
+        assert torch.equal(got, torch.from_numpy((x @ w.T).astype(np.float32))), q
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("n,k,bias", [(70, 64, True), (960, 576, False), (100, 1536, True)])
-def test_computes_the_documented_int8_quantization(fmt, n, k, bias, isa):
+def test_computes_the_documented_int8_quantization(fmt, n, k, bias, isa, kernel):
     """Against float64 on the dequantized weights times the activations quantized as documented:
     only the float32 rounding of the per-block sums remains (~2e-7 of the output's scale), far
     below what one activation rounded the other way would change (~1e-3)."""
-    lin, w = int8_layer(fmt, n, k, seed=n + k, bias=bias)
+    lin, w = int8_layer(fmt, n, k, kernel, seed=n + k, bias=bias)
     for m in (1, 3, 13):
         x = torch.randn(m, k)
         got = lin(x).double().numpy()
@@ -115,11 +136,11 @@ def test_computes_the_documented_int8_quantization(fmt, n, k, bias, isa):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("n,k", [(960, 576), (3072, 576), (576, 1536)])
-def test_error_against_float64_is_that_of_int8_activations(fmt, n, k, isa):
+def test_error_against_float64_is_that_of_int8_activations(fmt, n, k, isa, kernel):
     """Relative error (Frobenius) of the whole output against float64 on the dequantized weights and
     the float32 activations: measured 0.53-0.58% on these shapes with Gaussian activations (each
     activation rounded to 1/254 of its block's range), as llama.cpp's Q8_1 activations give."""
-    lin, w = int8_layer(fmt, n, k, seed=k)
+    lin, w = int8_layer(fmt, n, k, kernel, seed=k)
     x = torch.randn(16, k)
     got = lin(x).double().numpy()
     want = x.double().numpy() @ w.T
@@ -128,8 +149,8 @@ def test_error_against_float64_is_that_of_int8_activations(fmt, n, k, isa):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_zero_and_subnormal_blocks_contribute_nothing(fmt, isa):
-    lin, w = int8_layer(fmt, 70, 128, bias=True)
+def test_zero_and_subnormal_blocks_contribute_nothing(fmt, isa, kernel):
+    lin, w = int8_layer(fmt, 70, 128, kernel, bias=True)
     x = torch.randn(4, 128)
     x[0, 32:64] = 0.0  # an all-zero block: scale 0, no NaN
     x[1] = 0.0  # a zero row: exactly the bias
@@ -146,15 +167,16 @@ def test_zero_and_subnormal_blocks_contribute_nothing(fmt, isa):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_each_row_is_independent_of_the_others_and_of_the_threads(fmt, isa):
+def test_each_row_is_independent_of_the_others_and_of_the_threads(fmt, isa, kernel):
     """Whatever M, the rows batched with it, the register block (ROWS rows) it lands in and the
     thread count: a draft-tree row computes what a plain decode row computes, bit for bit."""
-    lin, _ = int8_layer(fmt, 3 * 32 + 7, 576)
-    x = torch.randn(2 * ROWS + 9, 576)
+    lin, _ = int8_layer(fmt, 3 * 32 + 7, 576, kernel)
+    rows = ROWS[kernel]
+    x = torch.randn(2 * rows + 9, 576)
     together = lin(x)
     for i in range(x.shape[0]):
         assert torch.equal(lin(x[i : i + 1])[0], together[i])
-    for a, b in [(0, 3), (4, 21), (ROWS - 1, 2 * ROWS + 1), (5, 2 * ROWS + 9)]:
+    for a, b in [(0, 3), (4, 21), (rows - 1, 2 * rows + 1), (5, 2 * rows + 9)]:
         assert torch.equal(lin(x[a:b]), together[a:b]), f"rows {a}:{b}"
     order = torch.randperm(x.shape[0])
     assert torch.equal(lin(x[order]), together[order])
@@ -168,7 +190,7 @@ def test_each_row_is_independent_of_the_others_and_of_the_threads(fmt, isa):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_both_builds_compute_the_same_bits(fmt, monkeypatch):
+def test_both_builds_compute_the_same_bits(fmt, kernel, monkeypatch):
     if build.supported_isas() != ["avx512", "avx2"]:
         pytest.skip("needs a CPU that runs both builds")
     blocks, _ = gguf_blocks(fmt, 200, 1536)
@@ -177,19 +199,36 @@ def test_both_builds_compute_the_same_bits(fmt, monkeypatch):
     for isa in ("avx512", "avx2"):
         monkeypatch.setenv("RDSERVE_CPU_ISA", isa)
         lin = QuantLinear(fmt, blocks, 1536)
-        lin.enable_int8_activations()
+        lin.enable_int8_activations(kernel)
         outs.append(lin(x))
     assert torch.equal(outs[0], outs[1])
 
 
-def test_weight_state_dict_and_prefill_rows_are_unchanged(isa):
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_vnni_and_avx2_kernels_compute_the_same_bits(fmt, isa):
+    """The AVX2 kernel is the VNNI kernel's twin: same quantization, same exact integer sums (Q8_0
+    through |qs| and the moved sign instead of qs + 128), same float32 operations per output."""
+    if NO_VNNI:
+        pytest.skip(f"needs AVX512-VNNI (this CPU lacks {', '.join(NO_VNNI)})")
+    blocks, _ = gguf_blocks(fmt, 200, 1536)
+    x = torch.randn(19, 1536) * torch.logspace(-3, 3, 19)[:, None]
+    x[3, :64] = 0.0
+    outs = []
+    for kernel in ("vnni", "avx2"):
+        lin = QuantLinear(fmt, blocks, 1536, torch.randn(200))
+        lin.enable_int8_activations(kernel)
+        outs.append(lin(x))
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_weight_state_dict_and_prefill_rows_are_unchanged(isa, kernel):
     """Enabling keeps the dequantized weight; prompt rows still take the bfloat16 path, the others
     the int8 kernel."""
     blocks, w = gguf_blocks("Q4_1", 160, 576)
     lin = QuantLinear("Q4_1", blocks, 576, torch.randn(160))
     lin.enable_bf16_prefill()
-    lin.enable_int8_activations()
-    lin.enable_int8_activations()  # idempotent: the panels are reordered once
+    lin.enable_int8_activations(kernel)
+    lin.enable_int8_activations(kernel)  # idempotent: the panels are reordered once
     assert torch.equal(lin.weight, torch.from_numpy(w.astype(np.float32)))
     assert torch.equal(lin.state_dict()["weight"], lin.weight)
     assert "int8_activations=True" in repr(lin)
@@ -205,12 +244,16 @@ def test_weight_state_dict_and_prefill_rows_are_unchanged(isa):
     assert torch.equal(picked[rest], decode[rest])
 
 
-def test_enabling_needs_avx512_vnni(isa, monkeypatch):
+def test_the_vnni_kernel_needs_avx512_vnni_and_the_default_falls_back(isa, monkeypatch):
     blocks, _ = gguf_blocks("Q4_1", 32, 64)
     lin = QuantLinear("Q4_1", blocks, 64)
     panels = lin.panels.clone()
     flags = build._cpu_flags().replace(" avx512_vnni", "")
     monkeypatch.setattr(build, "_cpu_flags", lambda: flags)
-    with pytest.raises(build.KernelUnavailable, match="need AVX512-VNNI; this CPU lacks avx512_vnni"):
-        lin.enable_int8_activations()
+    with pytest.raises(build.KernelUnavailable, match="needs AVX512-VNNI; this CPU lacks avx512_vnni"):
+        lin.enable_int8_activations("vnni")
     assert not lin.int8_activations and torch.equal(lin.panels, panels)  # still on the float32 kernel
+    with pytest.raises(ValueError, match="int8 kernel must be one of vnni, avx2, got 'amx'"):
+        lin.enable_int8_activations("amx")
+    lin.enable_int8_activations()
+    assert lin.int8_activations and lin.int8_kernel == "avx2" and "int8_kernel=avx2" in repr(lin)
