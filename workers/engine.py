@@ -183,6 +183,10 @@ class Engine:
             # with the model on GGUF blocks the drafter runs on Q8_0 blocks too (workers/redrafter/quantize.py)
             self.drafter = load_drafter(drafter_path, model.lm_head.weight, dtype, opts.device,
                                         weight_format="Q8_0" if self.weights is not None else "float32")
+            if self.decode_activations == "int8":  # its Q8_0 layers too: drafts only propose, exactness holds
+                from workers.redrafter.quantize import use_int8_activations_in_drafter
+
+                use_int8_activations_in_drafter(self.drafter)
         if spec_policy is not None:
             self.spec_policy = spec_policy
         elif opts.spec_schedule == "auto":

@@ -50,7 +50,8 @@ def test_engine_takes_the_schedule_of_its_own_kernel(tiny_model_dirs, tmp_path, 
                                                                               "draft_len_per_beam": 2}]
     kernel = Engine(model, drafter, spec_schedule=fallback, **kw).kernel
     assert check_kernel_name(kernel) == kernel and kernel.startswith("gguf-" if "gguf" in variant else "float32-")
-    assert kernel.endswith("-int8") == ("gguf" in variant)  # decode_activations auto: int8 on GGUF blocks, any ISA
+    auto = Engine(model, drafter, decode_activations="auto", **kw).kernel  # int8 on GGUF blocks, any ISA
+    assert auto.endswith("-int8") == ("gguf" in variant) and auto.removesuffix("-int8") == kernel
     other = "gguf-avx512-int8" if kernel != "gguf-avx512-int8" else "gguf-avx2"
     ours = Engine(model, drafter, spec_schedule=fallback, spec_schedule_by_kernel={kernel: mine, other: "off"}, **kw)
     assert ours.spec_schedule == validate_schedule(mine) and largest_speculating_batch(ours.spec_schedule) == 5

@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
 SOURCES = [HERE / "packed_gemm.c", HERE / "q4_1_gemm.c", HERE / "q8_0_gemm.c", HERE / "q4_1_vnni.c",
-           HERE / "q8_0_vnni.c", HERE / "int8_avx2.c", HERE / "rms_norm.c", HERE / "decode_attention.c", HERE / "rope_kv.c"]
+           HERE / "q8_0_vnni.c", HERE / "int8_avx2.c", HERE / "rms_norm.c", HERE / "decode_attention.c", HERE / "rope_kv.c", HERE / "decoder.c"]
 HEADERS = [HERE / "simd.h", HERE / "panel_gemm.h", HERE / "vnni_gemm.h", HERE / "int8_linear.h"]
 INT8_ENTRIES = ("rd_linear_q4_1_vnni", "rd_linear_q8_0_vnni", "rd_linear_q4_1_int8_avx2", "rd_linear_q8_0_int8_avx2")
 FLAGS = ["-O3", "-mtune=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
@@ -55,6 +55,22 @@ ISA_FLAGS = {
 }
 ISA_CPU_FLAGS = {"avx512": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma", "f16c"},
                  "avx2": {"avx2", "fma", "f16c"}}
+
+
+_generation = 0
+
+
+def layers_changed() -> None:
+    """Note that a kernel layer changed its weights' memory or its entry point (repacked weights,
+    int8 activations switched on...): descriptions of layers built earlier (:mod:`workers.kernels.
+    decoder`) are rebuilt."""
+    global _generation
+    _generation += 1
+
+
+def layers_generation() -> int:
+    """How many times :func:`layers_changed` was called in this process."""
+    return _generation
 
 
 class KernelUnavailable(RuntimeError):
@@ -264,6 +280,10 @@ def _load_once(isa: str) -> tuple[ctypes.CDLL | None, KernelUnavailable | None]:
     lib.rd_decode_attention.restype = ctypes.c_int
     lib.rd_rope_write_kv.argtypes = [P] * 7 + [L] * 4
     lib.rd_rope_write_kv.restype = None
+    lib.rd_silu_mul.argtypes = [P, P, L, L]
+    lib.rd_silu_mul.restype = None
+    lib.rd_decoder_forward.argtypes = [P, L, P, L, P, P, P, P, P, P] + [L] * 6 + [F, F]
+    lib.rd_decoder_forward.restype = ctypes.c_int
     lib.rd_panel_width.restype = ctypes.c_int
     lib.rd_isa.restype = ctypes.c_char_p
     return lib, None

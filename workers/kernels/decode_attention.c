@@ -22,26 +22,6 @@
 
 #include "simd.h"
 
-/* exp(x) for x <= 0, lane by lane: x = n ln2 + r (|r| <= ln2 / 2, ln2 split in a short high part
- * and a correction, as in Cody & Waite 1980), exp(r) by its degree-7 Taylor polynomial (relative
- * error below 1e-8 on that range) times 2^n. x below -87 is taken as -87 (exp(-87) = 1.6e-38, far
- * below what a softmax weight next to the maximum's 1 can carry). */
-static inline vf vexp_nonpositive(vf x) {
-    x = vmax(x, vset1(-87.0f));
-    vf n = vround(vmul(x, vset1(1.44269504088896341f)));
-    vf r = vfma(n, vset1(-0.693359375f), x);
-    r = vfma(n, vset1(2.12194440e-4f), r);
-    vf p = vset1(1.0f / 5040);
-    p = vfma(p, r, vset1(1.0f / 720));
-    p = vfma(p, r, vset1(1.0f / 120));
-    p = vfma(p, r, vset1(1.0f / 24));
-    p = vfma(p, r, vset1(1.0f / 6));
-    p = vfma(p, r, vset1(0.5f));
-    p = vfma(p, r, vset1(1.0f));
-    p = vfma(p, r, vset1(1.0f));
-    return vmul(p, vpow2i(n));
-}
-
 /* Scratch per thread: scores [T][Lp] (Lp = L rounded up to 16). */
 typedef struct {
     const float *q, *kc, *vc;

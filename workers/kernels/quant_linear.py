@@ -78,6 +78,7 @@ class QuantLinear(torch.nn.Module):
         """Keep a bfloat16 copy of the dequantized weight (2 bytes per weight) for prompt rows
         (``forward(x, prefill_rows)``; :mod:`workers.kernels.prefill_bf16`)."""
         self.prefill_weight = self.weight.detach().to(torch.bfloat16).contiguous()
+        build.layers_changed()
 
     def enable_int8_activations(self, kernel: str | None = None) -> None:
         """From now on, compute the rows :meth:`forward` does not send to the bfloat16 prefill path
@@ -112,6 +113,7 @@ class QuantLinear(torch.nn.Module):
             reorder_for_vnni(self.fmt, self.panels)
             self.int8_activations = True
         self.int8_kernel, self._entry = kernel, _INT8_ENTRY[kernel, self.fmt]
+        build.layers_changed()
 
     @property
     def weight(self) -> torch.Tensor:

@@ -135,4 +135,40 @@ static inline float v16_sum(v16 a) {
     return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
 }
 
+#if VL == 16
+#define vdiv(a, b) _mm512_div_ps(a, b)
+/* -|x|, lane by lane. */
+static inline vf vneg_abs(vf x) { return _mm512_or_ps(x, _mm512_set1_ps(-0.0f)); }
+/* a where x >= 0, else b (NaN lanes: b). */
+static inline vf vselect_nonneg(vf x, vf a, vf b) {
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GE_OQ), b, a);
+}
+#else
+#define vdiv(a, b) _mm256_div_ps(a, b)
+static inline vf vneg_abs(vf x) { return _mm256_or_ps(x, _mm256_set1_ps(-0.0f)); }
+static inline vf vselect_nonneg(vf x, vf a, vf b) {
+    return _mm256_blendv_ps(b, a, _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_GE_OQ));
+}
+#endif
+
+/* exp(x) for x <= 0, lane by lane: x = n ln2 + r (|r| <= ln2 / 2, ln2 split in a short high part
+ * and a correction, as in Cody & Waite 1980), exp(r) by its degree-7 Taylor polynomial (relative
+ * error below 1e-8 on that range) times 2^n. x below -87 is taken as -87 (exp(-87) = 1.6e-38, far
+ * below what a softmax weight next to the maximum's 1 can carry). */
+static inline vf vexp_nonpositive(vf x) {
+    x = vmax(x, vset1(-87.0f));
+    vf n = vround(vmul(x, vset1(1.44269504088896341f)));
+    vf r = vfma(n, vset1(-0.693359375f), x);
+    r = vfma(n, vset1(2.12194440e-4f), r);
+    vf p = vset1(1.0f / 5040);
+    p = vfma(p, r, vset1(1.0f / 720));
+    p = vfma(p, r, vset1(1.0f / 120));
+    p = vfma(p, r, vset1(1.0f / 24));
+    p = vfma(p, r, vset1(1.0f / 6));
+    p = vfma(p, r, vset1(0.5f));
+    p = vfma(p, r, vset1(1.0f));
+    p = vfma(p, r, vset1(1.0f));
+    return vmul(p, vpow2i(n));
+}
+
 #endif

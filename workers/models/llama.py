@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from workers.forward_batch import AttentionGroup, ForwardBatch
 from workers.kernels import decode_attention
 from workers.kernels.decode_attention import AttentionPlan
+from workers.kernels.decoder import decoder_forward, fused_layers, silu_mul
 from workers.kernels.rms_norm import rms_norm
 from workers.kv_cache import KVCache
 from workers.models.config import LlamaConfig
@@ -105,9 +106,13 @@ class MLP(torch.nn.Module):
         self.gate_up_proj = torch.nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = torch.nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x, prompt_rows: int | torch.Tensor = 0):
-        """x: ``[N, hidden_size]``; prompt_rows: the rows that are prompt tokens (:func:`project`)."""
+    def forward(self, x, prompt_rows: int | torch.Tensor = 0, isa: str | None = None):
+        """x: ``[N, hidden_size]``; prompt_rows: the rows that are prompt tokens (:func:`project`);
+        isa: the kernel build for ``silu * up`` in C (float32 CPU, as :mod:`workers.kernels.decoder`
+        computes it), or None for torch's ops."""
         gate_up = project(self.gate_up_proj, x, prompt_rows)
+        if isa is not None:
+            return project(self.down_proj, silu_mul(isa, gate_up, self.inter), prompt_rows)
         return project(self.down_proj, F.silu(gate_up[..., : self.inter]) * gate_up[..., self.inter :], prompt_rows)
 
 
@@ -137,7 +142,7 @@ class DecoderLayer(torch.nn.Module):
         place); returns ``next_norm`` of the stream after this layer, the residual adds fused into
         the norms (as vLLM's fused add + RMSNorm)."""
         h = self.post_attention_layernorm.add_forward(isa, residual, self.self_attn(h, rope, cache, meta, masks, isa))
-        return next_norm.add_forward(isa, residual, self.mlp(h, meta.prefill_rows))
+        return next_norm.add_forward(isa, residual, self.mlp(h, meta.prefill_rows, isa))
 
 
 class LlamaModel(torch.nn.Module):
@@ -153,6 +158,7 @@ class LlamaModel(torch.nn.Module):
             cfg.head_size, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
         )
         self.kernel_isa: str | None = None
+        self.fused_decoder = True  # with the C kernels: the whole stack in one call when the step allows it
 
     def use_cpu_kernels(self, isa: str | None) -> bool:
         """Run RMSNorm (fused with the residual adds), RoPE + KV write and decode attention in C
@@ -187,6 +193,11 @@ class LlamaModel(torch.nn.Module):
                 x = layer(x, rope, cache, batch, masks)
             return self.norm(x)
         check_slots(batch.slot_mapping, cache)
+        layers = fused_layers(self, cache, batch, masks) if self.fused_decoder else None
+        if layers is not None:
+            h = decoder_forward(self, layers, isa, x, rope, batch, masks)
+            if h is not None:
+                return h
         h = self.layers[0].input_layernorm.add_forward(isa, x)
         next_norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
         for layer, next_norm in zip(self.layers, next_norms):

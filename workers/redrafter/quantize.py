@@ -67,3 +67,20 @@ def quantize_drafter_for_cpu(drafter: torch.nn.Module) -> int:
         object.__setattr__(drafter, "_packed_head", q8_0_linear(head))
         count += 1
     return count
+
+
+def use_int8_activations_in_drafter(drafter: torch.nn.Module) -> int:
+    """Put a drafter's Q8_0 layers (:func:`quantize_drafter_for_cpu`), the draft-vocabulary head
+    included, on int8 activations (:meth:`~workers.kernels.quant_linear.QuantLinear.
+    enable_int8_activations`): at 1x2 its two draft steps then read the head's 11,649 x 576 Q8_0
+    blocks with integer dot products. Proposals may change slightly; verification does not depend
+    on them, so speculative output still equals plain output. Returns how many layers switched."""
+    from workers.kernels.quant_linear import QuantLinear
+
+    layers = [m for m in drafter.modules() if isinstance(m, QuantLinear)]
+    head = getattr(drafter, "_packed_head", None)
+    if isinstance(head, QuantLinear):
+        layers.append(head)
+    for layer in layers:
+        layer.enable_int8_activations()
+    return len(layers)

@@ -1,0 +1,184 @@
+"""Where a decoding step's time goes, in process: linear layers, attention, RoPE and KV writes, norms,
+LM head, ReDrafter drafting, prompt lookup, tree building, acceptance and sampling, the model's
+Python glue (small torch ops, module calls) and the engine's scheduling and bookkeeping.
+
+The engine decodes the prompts at batch 1 (``--mode plain`` and/or ``spec``; spec at the config's
+``num_beams`` x ``draft_len_per_beam`` or ``--num-beams``/``--draft-len-per-beam``, at every batch
+size, whatever the schedule says). Each part is timed by wrapping the function that does it
+(``time.perf_counter`` on entry and exit; about a microsecond per call) and counted exclusively:
+a wrapped call inside another wrapped part belongs to the inner part, except inside the drafter,
+the LM head and prompt lookup, which own everything they call (their linears count as drafting, not
+as linear layers). "engine: scheduling, bookkeeping" is ``Engine.step`` minus every other part,
+"model: glue" the model's forward minus its parts. Steps that prefill a prompt are left out, so
+the table describes decode steps (plain: one row; spec: one tree). By default the decoder stack runs
+in one C call (``workers/kernels/decoder.c``), timed as one part; ``--unfused`` runs it layer by
+layer from Python to split it into its parts.
+
+Usage:
+    python benchmarks/step_breakdown.py --config configs/local.yaml --prompts ../shared/datasets/broad/dev.jsonl \\
+        --prompts-per-category 1 --max-tokens 96 --out benchmarks/results/step_breakdown
+(prints a Markdown table per mode, writes JSON)
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from bench_report import write_report
+
+from cluster.config import load_config
+from cluster.local_engine import build_engine
+from workers import engine as engine_mod
+from workers import model_runner
+from workers.kernels import decode_attention, packed_linear, quant_linear
+from workers.models import llama
+from workers.models.tokenizer import apply_chat_template
+from workers.sampling import SamplingParams
+from workers.training.prompt_sources import first_per_category
+
+OWNERS = {"drafting (ReDrafter beams)", "LM head", "prompt lookup"}  # own everything they call
+
+
+class PartTimer:
+    """Exclusive time per part over a stack of wrapped calls."""
+
+    def __init__(self) -> None:
+        self.total = defaultdict(float)
+        self.calls = defaultdict(int)
+        self.stack: list[list] = []  # [part, start, time in wrapped children]
+        self.enabled = False
+
+    def wrap(self, part: str, fn):
+        @functools.wraps(fn)
+        def timed(*args, **kwargs):
+            if not self.enabled or (self.stack and self.stack[-1][0] in OWNERS):
+                return fn(*args, **kwargs)
+            frame = [part, time.perf_counter(), 0.0]
+            self.stack.append(frame)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                elapsed = time.perf_counter() - frame[1]
+                self.stack.pop()
+                self.total[part] += elapsed - frame[2]
+                self.calls[part] += 1
+                if self.stack:
+                    self.stack[-1][2] += elapsed
+        return timed
+
+
+def patch(timer: PartTimer) -> None:
+    """Wrap the functions that do each part, where their callers look them up."""
+    def on(owner, name, part):
+        timed = timer.wrap(part, getattr(owner, name))
+        is_static = isinstance(getattr(owner, "__dict__", {}).get(name), staticmethod)
+        setattr(owner, name, staticmethod(timed) if is_static else timed)
+
+    on(engine_mod.Engine, "step", "engine: scheduling, bookkeeping")
+    on(llama.LlamaModel, "forward", "model: glue (small ops, module calls)")
+    on(quant_linear.QuantLinear, "forward", "linear layers")
+    on(packed_linear.PackedLinear, "forward", "linear layers")
+    on(decode_attention, "attend", "attention")
+    on(decode_attention, "rope_write_kv", "RoPE + KV write")
+    on(llama, "rms_norm", "RMS norms")
+    on(llama, "silu_mul", "SwiGLU silu * up")
+    on(llama, "decoder_forward", "decoder stack in one C call")
+    on(llama.LlamaForCausalLM, "logits", "LM head")
+    on(model_runner, "draft_beams_batch", "drafting (ReDrafter beams)")
+    on(model_runner.ModelRunner, "_lookup_beam", "prompt lookup")
+    on(model_runner, "build_prefix_tree", "tree building")
+    on(model_runner, "accept_greedy", "acceptance, sampling")
+    on(model_runner.ModelRunner, "_choose", "acceptance, sampling")
+
+
+def decode(engine, ids: list[int], mode: str, max_tokens: int, timer: PartTimer) -> tuple[int, int, float]:
+    """Decode one prompt; returns (decode steps, tokens they produced, their wall seconds). Only
+    steps after the first token (no prefill in them) are timed."""
+    engine.add_request("bd", ids, SamplingParams(max_tokens=max_tokens), mode)
+    steps = tokens = 0
+    wall = 0.0
+    finished, first = False, True
+    while not finished:
+        timer.enabled = not first
+        t0 = time.perf_counter()
+        deltas = [d for d in engine.step() if d.request_id == "bd"]
+        if not first:
+            wall += time.perf_counter() - t0
+            steps += 1
+            tokens += sum(len(d.token_ids) for d in deltas)
+        first = False
+        finished = any(d.finished for d in deltas)
+    timer.enabled = False
+    return steps, tokens, wall
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default="configs/local.yaml")
+    ap.add_argument("--prompts", required=True, help="JSONL prompts ('messages' or 'prompt', optional 'category')")
+    ap.add_argument("--prompts-per-category", type=int, default=1)
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--modes", default="plain,spec", help="comma-separated: plain, spec")
+    ap.add_argument("--num-beams", type=int)
+    ap.add_argument("--draft-len-per-beam", type=int)
+    ap.add_argument("--unfused", action="store_true", help="run the decoder layer by layer from Python "
+                    "(LlamaModel.fused_decoder = False) to see each part; default: the whole stack in one C call")
+    ap.add_argument("--out", default="benchmarks/results/step_breakdown")
+    args = ap.parse_args()
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if not modes or set(modes) - {"plain", "spec"}:
+        ap.error(f"--modes takes plain and/or spec, got {args.modes!r}")
+
+    cfg = load_config(args.config)
+    e = cfg.engine
+    shape = (args.num_beams or e.num_beams, args.draft_len_per_beam or e.draft_len_per_beam)
+    schedule = [{"max_batch_size": e.max_batch_size, "num_beams": shape[0], "draft_len_per_beam": shape[1]}]
+    cfg.engine = e.model_copy(update={"spec_schedule": schedule, "spec_schedule_by_kernel": None,
+                                      "num_beams": shape[0], "draft_len_per_beam": shape[1]})
+    timer = PartTimer()
+    patch(timer)
+    engine = build_engine(cfg)
+    engine.model.model.fused_decoder = not args.unfused
+    rows = [json.loads(line) for line in Path(args.prompts).read_text().splitlines() if line.strip()]
+    prompts = [p for ps in first_per_category(rows, args.prompts_per_category).values() for p in ps]
+    ids = [apply_chat_template(engine.tokenizer, p["messages"]) if "messages" in p
+           else engine.tokenizer(p["prompt"])["input_ids"] for p in prompts]
+    decode(engine, ids[0], "plain", 8, timer)  # warm-up
+    timer.total.clear()
+    timer.calls.clear()
+
+    results, tables = {}, []
+    for mode in modes:
+        timer.total.clear()
+        timer.calls.clear()
+        steps = tokens = 0
+        wall = 0.0
+        for p in ids:
+            s, t, w = decode(engine, p, mode, args.max_tokens, timer)
+            steps, tokens, wall = steps + s, tokens + t, wall + w
+        parts = {k: v / steps * 1e3 for k, v in sorted(timer.total.items(), key=lambda kv: -kv[1])}
+        results[mode] = {"steps": steps, "tokens": tokens, "wall_s": wall, "ms_per_step": wall / steps * 1e3,
+                         "tokens_per_step": tokens / steps, "tokens_per_s": tokens / wall, "parts_ms_per_step": parts,
+                         "calls_per_step": {k: timer.calls[k] / steps for k in parts}}
+        lines = [f"{mode}: {steps} decode steps, {tokens / steps:.2f} tokens/step, {wall / steps * 1e3:.2f} ms/step "
+                 f"({tokens / wall:.1f} tokens/s)", "", "| part | ms/step | share | calls/step |", "|---|---|---|---|"]
+        for k, v in parts.items():
+            lines.append(f"| {k} | {v:.2f} | {v / (wall / steps * 1e3):.0%} | {timer.calls[k] / steps:.0f} |")
+        tables.append("\n".join(lines))
+    header = (f"{'layer by layer (Python)' if args.unfused else 'fused decoder (one C call)'}; kernel {engine.kernel}, threads {torch.get_num_threads()}, {len(ids)} prompts, max_tokens "
+              f"{args.max_tokens}, spec shape {shape[0]}x{shape[1]}, prompt lookup {e.prompt_lookup_num_tokens}")
+    table = header + "\n\n" + "\n\n".join(tables)
+    print(table)
+    write_report(args.out, table, {"config": args.config, "kernel": engine.kernel, "threads": torch.get_num_threads(),
+                                   "fused_decoder": not args.unfused, "prompts": len(ids), "max_tokens": args.max_tokens, "shape": list(shape),
+                                   "modes": results})
+
+
+if __name__ == "__main__":
+    main()
