@@ -57,22 +57,6 @@ ISA_CPU_FLAGS = {"avx512": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2
                  "avx2": {"avx2", "fma", "f16c"}}
 
 
-_generation = 0
-
-
-def layers_changed() -> None:
-    """Note that a kernel layer changed its weights' memory or its entry point (repacked weights,
-    int8 activations switched on...): descriptions of layers built earlier (:mod:`workers.kernels.
-    decoder`) are rebuilt."""
-    global _generation
-    _generation += 1
-
-
-def layers_generation() -> int:
-    """How many times :func:`layers_changed` was called in this process."""
-    return _generation
-
-
 class KernelUnavailable(RuntimeError):
     """The C kernels cannot be used here (disabled, no compiler, no AVX2, or the build failed)."""
 

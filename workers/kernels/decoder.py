@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import weakref
 
 import torch
 
@@ -50,8 +51,9 @@ def silu_mul(isa: str, gate_up: torch.Tensor, inter: int) -> torch.Tensor:
         gate_up: ``[rows, 2 * inter] float32`` contiguous CPU.
 
     Returns:
-        ``[rows, inter] float32``; within a few ulp of torch's ``F.silu(g) * u``, the same bits for
-        a value whatever its row, position, ``inter`` or build.
+        ``[rows, inter] float32``; within a few ulp of torch's ``F.silu(g) * u`` for gates above
+        -87 (below: ``-0 * u``, where exact silu is under 1e-36), the same bits for a value whatever
+        its row, position, ``inter`` or build.
 
     Raises:
         ValueError: a shape or dtype that does not fit.
@@ -65,29 +67,33 @@ def silu_mul(isa: str, gate_up: torch.Tensor, inter: int) -> torch.Tensor:
     return out
 
 
-def _lin(module) -> _Lin | None:
-    if type(module) is QuantLinear:
-        kind = LINEAR_KINDS.get(module._entry)
-        panels = module._buffers["panels"]
-    elif type(module) is PackedLinear:
-        kind, panels = 0, module._buffers["panels"]
-    else:
-        return None
-    if kind is None:
-        return None
-    bias = module.bias
-    return _Lin(kind, module.in_features, module.out_features, panels.data_ptr(), 0 if bias is None else bias.data_ptr())
-
-
-def _parts(model) -> tuple:
-    """What the layer table points into: the linears and norm weights of every layer (identities)."""
-    out = [model._modules["norm"]._parameters["weight"]]
-    for layer in model._modules["layers"]._modules.values():
+def _layer_key(model, cache) -> tuple | None:
+    """Everything the C layer table points to, read fresh: per layer its four projections (the
+    module, its entry point, weight and bias pointers, whether it has a bfloat16 prefill weight),
+    its norm weights' and KV cache layers' pointers. None when a projection is not on rdserve's
+    kernels. (Module dicts are read directly: this runs every step.)"""
+    layers = list(model._modules["layers"]._modules.values())
+    final = model._modules["norm"]._parameters["weight"].data_ptr()
+    key = []
+    add = key.extend
+    for i, layer in enumerate(layers):
         mods = layer._modules
         attn, mlp = mods["self_attn"]._modules, mods["mlp"]._modules
-        out += [attn["qkv_proj"], attn["o_proj"], mlp["gate_up_proj"], mlp["down_proj"],
-                mods["input_layernorm"]._parameters["weight"], mods["post_attention_layernorm"]._parameters["weight"]]
-    return tuple(out)
+        for m in (attn["qkv_proj"], attn["o_proj"], mlp["gate_up_proj"], mlp["down_proj"]):
+            t = type(m)
+            if t is not QuantLinear and t is not PackedLinear:
+                return None
+            d = m.__dict__
+            bias = d["bias"] if "bias" in d else m.bias
+            add((m, d.get("_entry", "rd_linear_packed"), d["_buffers"]["panels"].data_ptr(),
+                 0 if bias is None else bias.data_ptr(), d.get("prefill_weight") is not None))
+        nxt = layers[i + 1]._modules["input_layernorm"] if i + 1 < len(layers) else None
+        add((mods["post_attention_layernorm"]._parameters["weight"].data_ptr(),
+             final if nxt is None else nxt._parameters["weight"].data_ptr(), cache.k[i].data_ptr(), cache.v[i].data_ptr()))
+    return tuple(key)
+
+
+_TABLES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> (key, table, prefill weights)
 
 
 def fused_layers(model, cache, batch, masks) -> ctypes.Array | None:
@@ -96,17 +102,19 @@ def fused_layers(model, cache, batch, masks) -> ctypes.Array | None:
     rdserve's kernels (torch's ``nn.Linear``, tensor-parallel layers), a group without a C attention
     plan (long prompt chunks on SDPA), or prompt rows on the bfloat16 prefill path.
 
-    The table is built once and kept on the model (building it costs ~1 ms, as much as a tenth of
-    a step) while the cache object, every layer's linears and norm weights (by identity) and
-    :func:`~workers.kernels.build.layers_generation` stay the same."""
+    The table is rebuilt only when something it points to changed (every pointer, entry point and
+    shape is compared each step: replaced or re-allocated weights, biases, norms or KV cache layers
+    are never read through a stale pointer) and is kept beside the model, not in it (a model stays
+    copyable and picklable)."""
     if not all(isinstance(m, AttentionPlan) for m in masks):
         return None
-    parts, generation = _parts(model), build.layers_generation()
-    entry = model.__dict__.get("_fused_table")  # (cache, generation, parts, table, prefill weights): strong refs
-    if (entry is None or entry[0] is not cache or entry[1] != generation or len(entry[2]) != len(parts)
-            or not all(a is b for a, b in zip(entry[2], parts))):
-        entry = model.__dict__["_fused_table"] = (cache, generation, parts, *_build_table(model, cache))
-    table, prefill_weights = entry[3], entry[4]
+    key = _layer_key(model, cache)
+    if key is None:
+        return None
+    entry = _TABLES.get(model)
+    if entry is None or entry[0] != key:
+        entry = _TABLES[model] = (key, *_build_table(key, len(model.layers)))
+    table, prefill_weights = entry[1], entry[2]
     if prefill_weights:
         rows = batch.prefill_rows
         if bool(rows.numel()) if isinstance(rows, torch.Tensor) else bool(rows):
@@ -114,23 +122,23 @@ def fused_layers(model, cache, batch, masks) -> ctypes.Array | None:
     return table
 
 
-def _build_table(model, cache) -> tuple[ctypes.Array | None, bool]:
-    """(the layer table or None when some projection is not on rdserve's kernels, whether some
-    projection has a bfloat16 prefill weight)."""
-    layers = model.layers
-    out = (_Layer * len(layers))()
-    norms = [layer.post_attention_layernorm.weight for layer in layers]
-    next_norms = [layer.input_layernorm.weight for layer in layers[1:]] + [model.norm.weight]
+def _build_table(key: tuple, n_layers: int) -> tuple[ctypes.Array | None, bool]:
+    """(the layer table of :func:`_layer_key`'s ``key``, whether some projection has a bfloat16
+    prefill weight)."""
+    out = (_Layer * n_layers)()
+    per_lin, per_layer = 5, 4 * 5 + 4
     prefill_weights = False
-    for i, layer in enumerate(layers):
-        attn, mlp = layer.self_attn, layer.mlp
-        mods = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        lins = [_lin(m) for m in mods]
-        if any(lin is None for lin in lins):
-            return None, False
-        prefill_weights |= any(getattr(m, "prefill_weight", None) is not None for m in mods)
-        out[i] = _Layer(*lins, norms[i].data_ptr(), next_norms[i].data_ptr(), cache.k[i].data_ptr(),
-                        cache.v[i].data_ptr())
+    for i in range(n_layers):
+        k = key[i * per_layer : (i + 1) * per_layer]
+        lins = []
+        for j in range(4):
+            module, entry, w, b, prefill = k[j * per_lin : (j + 1) * per_lin]
+            kind = LINEAR_KINDS.get(entry)
+            if kind is None:
+                return None, False
+            lins.append(_Lin(kind, module.in_features, module.out_features, w, b))
+            prefill_weights |= prefill
+        out[i] = _Layer(*lins, *k[4 * per_lin :])
     return out, prefill_weights
 
 

@@ -1,5 +1,6 @@
 /* GGUF Q4_1 / Q8_0 weights times int8-quantized activations on AVX2: the same computation as the
- * AVX512-VNNI kernels (vnni_gemm.h), bit for bit, for CPUs without VNNI (most laptops, AMD Zen 2/3).
+ * AVX512-VNNI kernels (vnni_gemm.h), bit for bit for finite activations (int8_linear.h), for CPUs
+ * without VNNI (most laptops, AMD Zen 2/3).
  *
  * Same weight layout (q4_1_vnni.c, q8_0_vnni.c: workers/kernels/gguf_blocks.py, reorder_for_vnni),
  * same quantized activations (int8_linear.h), same float32 operations per output:

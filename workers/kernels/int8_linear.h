@@ -5,6 +5,9 @@
  * Quantized activations (both kernels, identical bits): per row and k-block b, float32 scale
  * s[b] = max|x| / 127, int8 a[k] = round(x[k] * (1 / s[b])) (half to even, clamped to [-127, 127]),
  * exact sum A[b] = sum_k a[k]; a block with s[b] < FLT_MIN gets s[b] = 0, a = 0 (vnni_gemm.h).
+ * For finite x. A NaN in a block may or may not reach its maximum (maxps returns its second operand
+ * when either is NaN, and the two kernels reduce in different orders), so with NaN activations the
+ * two kernels can differ; neither is specified then.
  */
 #ifndef RD_INT8_LINEAR_H
 #define RD_INT8_LINEAR_H

@@ -91,7 +91,6 @@ class PackedLinear(torch.nn.Module):
                                   f"{(self.out_features, self.in_features)}")
                 return
             self.panels = pack_weight(w)
-            build.layers_changed()
             if self._weight is not None:
                 with torch.no_grad():
                     self._weight.copy_(w)

@@ -32,7 +32,7 @@ INT8_KERNELS = ("vnni", "avx2")
 
 def best_int8_kernel() -> str:
     """The int8-activation kernel this CPU runs fastest: ``"vnni"`` (AVX512-VNNI) where the CPU has
-    :data:`INT8_CPU_FLAGS`, else ``"avx2"`` (``int8_avx2.c``; same results bit for bit)."""
+    :data:`INT8_CPU_FLAGS`, else ``"avx2"`` (``int8_avx2.c``; same results bit for bit on finite activations)."""
     return "avx2" if build.missing_cpu_flags(INT8_CPU_FLAGS) else "vnni"
 
 
@@ -78,7 +78,6 @@ class QuantLinear(torch.nn.Module):
         """Keep a bfloat16 copy of the dequantized weight (2 bytes per weight) for prompt rows
         (``forward(x, prefill_rows)``; :mod:`workers.kernels.prefill_bf16`)."""
         self.prefill_weight = self.weight.detach().to(torch.bfloat16).contiguous()
-        build.layers_changed()
 
     def enable_int8_activations(self, kernel: str | None = None) -> None:
         """From now on, compute the rows :meth:`forward` does not send to the bfloat16 prefill path
@@ -89,13 +88,14 @@ class QuantLinear(torch.nn.Module):
         exact in integers and rounded once to float32, then ``+ bias``. A row's result still depends
         on that row alone (not on M, its neighbours or the thread count), but no longer equals the
         float32 kernel's: the error is that of int8 activations (~0.5% of the output's norm with
-        Gaussian activations; the tests measure it). A NaN activation is not propagated: it
-        quantizes to -127 (a float32 row would give NaN outputs). Reorders the panels in place (same
+        Gaussian activations; the tests measure it). Activations must be finite: a block holding a
+        NaN gives NaN or finite outputs depending on the NaN's position and the kernel (the block
+        maximum's ``maxps`` order), where a float32 row always gives NaN. Reorders the panels in place (same
         bytes per weight, :func:`~workers.kernels.gguf_blocks.reorder_for_vnni`); :attr:`weight` is
         unchanged. Idempotent; a second call may switch the kernel.
 
         kernel: ``"vnni"`` (AVX512-VNNI ``vpdpbusd``, 64 products per instruction; ``vnni_gemm.h``),
-        ``"avx2"`` (``vpmaddubsw``, 32 per instruction; ``int8_avx2.c``), both the same bits, or
+        ``"avx2"`` (``vpmaddubsw``, 32 per instruction; ``int8_avx2.c``), both the same bits on finite activations, or
         None for :func:`best_int8_kernel`.
 
         Raises:
@@ -113,7 +113,6 @@ class QuantLinear(torch.nn.Module):
             reorder_for_vnni(self.fmt, self.panels)
             self.int8_activations = True
         self.int8_kernel, self._entry = kernel, _INT8_ENTRY[kernel, self.fmt]
-        build.layers_changed()
 
     @property
     def weight(self) -> torch.Tensor:

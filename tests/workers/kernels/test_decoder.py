@@ -25,6 +25,10 @@ def test_silu_mul_matches_torch(rows, inter, isa):
     got = silu_mul(isa, gu, inter)
     want = (F.silu(gu[:, :inter].double()) * gu[:, inter:].double()).float()
     assert torch.allclose(got, want, rtol=4e-7 * 8, atol=1e-30)
+    # far below -87 silu is ~0, never x * exp(-87); NaN stays NaN
+    extreme = torch.tensor([[-1e38, -1e30, -90.0, float("nan"), 1e30, 88.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]])
+    out = silu_mul(isa, extreme, 8)[0]
+    assert out[:3].abs().max() == 0 and out[3].isnan() and out[4] == 1e30 and out[5] == 88.0
     # a value's result does not depend on its row, its position or the width
     assert torch.equal(silu_mul(isa, gu[-1:].contiguous(), inter)[0], got[-1])
     tail = torch.cat([gu[:, :inter][:, 1:], gu[:, inter:][:, 1:]], 1).contiguous()
@@ -135,3 +139,34 @@ def test_layer_table_is_kept_and_rebuilt_when_layers_change(tiny_model_dirs, mon
     assert decode("b")
     assert tables[0] is not None and all(t is tables[0] for t in tables)
     assert tables[0][0].qkv.kind == LINEAR_KINDS[qkv._entry] and tables[0][0].qkv.kind not in float32_kinds
+
+
+def test_replaced_weights_and_copies_after_a_fused_step(tiny_model_dirs, trained_drafter_dirs, monkeypatch):
+    """Weights replaced after the first fused step (a norm's storage swapped with ``.data =``, a
+    projection's bias replaced by a new Parameter) are read from their new memory: every later
+    forward still equals the layer-by-layer one. The model stays copyable and picklable."""
+    import copy
+    import io
+
+    if not build.available():
+        pytest.skip("CPU kernels unavailable here (no C compiler or no AVX2, or RDSERVE_CPU_KERNELS=0)")
+    engine = Engine(str(tiny_model_dirs["tied_gqa2"]), str(trained_drafter_dirs["tied_gqa2"]), num_beams=2,
+                    draft_len_per_beam=2, max_seq_len=128, num_kv_blocks=64)
+    lm = engine.model.model
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+
+    def decode(rid, mode):
+        return [t for d in engine.generate(list(range(5, 25)), params, mode, rid) for t in d.token_ids]
+
+    decode("warm", "spec")
+    copy.deepcopy(engine.model)
+    torch.save(engine.model, io.BytesIO())
+    check = ForwardCheck(monkeypatch)
+    hidden = lm.layers[0].input_layernorm.weight.shape[0]
+    with torch.no_grad():
+        lm.layers[1].post_attention_layernorm.weight.data = torch.full((hidden,), 3.0)
+        qkv = lm.layers[0].self_attn.qkv_proj
+        qkv.bias = torch.nn.Parameter(torch.randn(qkv.out_features))
+    decode("a", "spec")
+    decode("b", "plain")
+    assert check.forwards >= 8 and len(check.fused_calls) >= check.forwards - 2
