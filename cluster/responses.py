@@ -42,10 +42,17 @@ def stats_of(started: Started, last) -> RdserveStats:
                         tokens_per_step=round(last.tokens_per_step, 4), replica=started.replica)
 
 
+# Characters Python's str.splitlines (and so httpx's iter_lines and other clients' line readers) takes
+# for line ends although SSE does not: left raw in generated text they would cut a data line in two.
+_LINE_BREAKS = str.maketrans({"\u2028": "\\u2028", "\u2029": "\\u2029", "\x85": "\\u0085"})
+
+
 def sse(payload: BaseModel | dict) -> str:
-    """One server-sent event: ``data: <json>\\n\\n``."""
+    """One server-sent event: ``data: <json>\\n\\n``. The JSON is on one line for every line
+    splitter: U+2028, U+2029 and U+0085 in strings are written as JSON escapes (the same values;
+    control characters are escaped by JSON itself)."""
     data = payload.model_dump_json() if isinstance(payload, BaseModel) else json.dumps(payload)
-    return f"data: {data}\n\n"
+    return f"data: {data.translate(_LINE_BREAKS)}\n\n"
 
 
 @dataclass
