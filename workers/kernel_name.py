@@ -9,7 +9,7 @@ for that path, so configs key schedules by these names (``engine.spec_schedule_b
 Names: ``cuda``, or ``WEIGHTS-ISA[-int8]`` with WEIGHTS ``gguf`` (the GGUF's quantized blocks),
 ``float32``, ``bfloat16`` or ``float16`` (the model's dtype), ISA ``avx512``, ``avx2`` (rdserve's C kernels, :mod:`workers.kernels.build`) or
 ``torch`` (torch's GEMM), and ``-int8`` for int8 activations on GGUF blocks. Examples:
-``gguf-avx512-int8`` (the default model on an AVX512-VNNI server), ``gguf-avx2`` (most laptops),
+``gguf-avx512-int8`` (the default model on an AVX512-VNNI server), ``gguf-avx2-int8`` (most laptops; ``gguf-avx2`` with float32 activations),
 ``float32-torch``.
 """
 
