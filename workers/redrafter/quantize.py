@@ -72,15 +72,15 @@ def quantize_drafter_for_cpu(drafter: torch.nn.Module) -> int:
 def use_int8_activations_in_drafter(drafter: torch.nn.Module) -> int:
     """Put a drafter's Q8_0 layers (:func:`quantize_drafter_for_cpu`), the draft-vocabulary head
     included, on int8 activations (:meth:`~workers.kernels.quant_linear.QuantLinear.
-    enable_int8_activations`): at 1x2 its two draft steps then read the head's 11,649 x 576 Q8_0
+    enable_int8_activations`): at 1x2 its two draft steps then read the draft-vocabulary head's Q8_0
     blocks with integer dot products. Proposals may change slightly; verification does not depend
     on them, so speculative output still equals plain output. Returns how many layers switched."""
     from workers.kernels.quant_linear import QuantLinear
+    from workers.models.gguf_weights import use_int8_activations
 
-    layers = [m for m in drafter.modules() if isinstance(m, QuantLinear)]
-    head = getattr(drafter, "_packed_head", None)
+    count = use_int8_activations(drafter)  # its registered Q8_0 layers
+    head = getattr(drafter, "_packed_head", None)  # not a registered module
     if isinstance(head, QuantLinear):
-        layers.append(head)
-    for layer in layers:
-        layer.enable_int8_activations()
-    return len(layers)
+        head.enable_int8_activations()
+        count += 1
+    return count
