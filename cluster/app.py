@@ -9,11 +9,13 @@ from ray.serve import Application
 from ray.serve.config import AutoscalingPolicy, RequestRouterConfig
 
 from cluster.config import RdserveConfig
-from cluster.openai_api import OpenAIIngress
+from cluster.openai_api import INGRESS_MAX_ONGOING_REQUESTS, OpenAIIngress
 from cluster.placement import tp_placement_options
 from cluster.replica import EngineReplica
 
 APP_NAME = "rdserve"
+INGRESS_NAME = "OpenAIIngress"
+ENGINE_NAME = "EngineReplica"
 
 SERVE_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
 """Environment rdserve gives Ray (``rdserve up``, the Serve config, Kubernetes pods; an operator's own
@@ -124,7 +126,7 @@ after about 6 s instead of 30 s (measured with the tiny model: a new request suc
 kill with the default, ``tests/cluster/test_faults_ray.py``)."""
 
 
-def _engine_deployment(cfg: RdserveConfig, name: str = "EngineReplica"):
+def _engine_deployment(cfg: RdserveConfig, name: str = ENGINE_NAME):
     return EngineReplica.options(
         name=name,
         **replica_count_options(cfg),
@@ -138,16 +140,40 @@ def _engine_deployment(cfg: RdserveConfig, name: str = "EngineReplica"):
     ).bind(cfg)
 
 
+def engine_deployment_name(cfg: RdserveConfig) -> str:
+    """The Serve deployment whose replicas hold the engine in one-pool mode: the ingress when colocated
+    (``serve.colocate``), else ``EngineReplica`` (its handle answers ``stats``, ``processes``...)."""
+    return INGRESS_NAME if cfg.serve.colocated(cfg.engine.tp_size) else ENGINE_NAME
+
+
+def _colocated_deployment(cfg: RdserveConfig):
+    """The ingress with the engine in its process (:mod:`cluster.colocated`): the engine replica's
+    resources, health probe and stop/replace options; Serve's own queue limit stays the ingress's, and
+    ``serve.max_ongoing_requests``/``max_queued_requests`` apply at the engine (``InProcessClient``)."""
+    from cluster.colocated import ColocatedIngress
+
+    return serve.deployment(ColocatedIngress, name=INGRESS_NAME).options(
+        num_replicas=1,
+        **replacement_options(cfg),
+        ray_actor_options=engine_actor_options(cfg),
+        max_ongoing_requests=INGRESS_MAX_ONGOING_REQUESTS,
+        health_check_period_s=HEALTH_CHECK_PERIOD_S,
+    ).bind(cfg)
+
+
 def build_app(cfg: RdserveConfig) -> Application:
     """Bind the deployments for ``cfg``; ``serve.run(build_app(cfg))`` deploys them.
 
-    One pool: ingress -> ``EngineReplica``. Two-pool mode: ingress -> ``EngineReplicaSpec`` and
+    One engine replica (``serve.colocate``, :meth:`ServeConfig.colocated`): ``OpenAIIngress`` with the
+    engine in its process. One pool: ingress -> ``EngineReplica``. Two-pool mode: ingress -> ``EngineReplicaSpec`` and
     ``EngineReplicaPlain`` (see :func:`pool_configs`); the ingress picks the pool per request.
     """
+    if cfg.serve.colocated(cfg.engine.tp_size):
+        return _colocated_deployment(cfg)
     if cfg.serve.pools is None:
         engine = _engine_deployment(cfg)
         return OpenAIIngress.options(**replacement_options(cfg)).bind(engine, cfg.model.name, serve_cfg=cfg.serve)
-    pools = {name: _engine_deployment(pcfg, f"EngineReplica{name.title()}") for name, pcfg in pool_configs(cfg).items()}
+    pools = {name: _engine_deployment(pcfg, f"{ENGINE_NAME}{name.title()}") for name, pcfg in pool_configs(cfg).items()}
     policy = {"calibration": str(cfg.engine.spec_calibration),
               "shape": [cfg.engine.num_beams, cfg.engine.draft_len_per_beam]}
     scaling = cfg.serve.pools.spec.autoscaling or cfg.serve.pools.plain.autoscaling

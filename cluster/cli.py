@@ -173,6 +173,8 @@ def _print_ready(cfg: RdserveConfig, base_url: str) -> None:
     replicas = (f"spec pool {count(pools.spec.replicas, pools.spec.autoscaling)}, plain pool "
                 f"{count(pools.plain.replicas, pools.plain.autoscaling)}" if pools
                 else count(cfg.serve.replicas, cfg.serve.autoscaling))
+    if cfg.serve.colocated(cfg.engine.tp_size):
+        replicas += " in the ingress's process (serve.colocate)"
     console.print(f"[green]rdserve is up[/green]: {base_url}/v1  (model {cfg.model.name}, "
                   f"{replicas}, drafter {cfg.drafter.path or 'none'})")
     try:

@@ -253,6 +253,16 @@ class ServeConfig(_Section):
     drain_timeout_s: float = Field(30.0, gt=0, description="on shutdown (SIGTERM, Ctrl-C) or when Serve stops a "
                                    "replica without autoscaling, requests in flight may finish for this long "
                                    "before they are aborted with an error")
+    colocate: bool | Literal["auto"] = Field(
+        "auto", description="run the engine inside the ingress replica's process, so a token goes from the engine "
+        "thread to the HTTP response without crossing Ray (cluster.colocated): 'auto' = when the application has "
+        "exactly one engine replica (serve.replicas 1, no autoscaling, no pools, engine.tp_size 1); true = require "
+        "it; false = always a separate engine deployment (EngineReplica) behind the ingress")
+
+    def colocated(self, tp_size: int) -> bool:
+        """Whether the engine runs in the ingress's process (see ``colocate``), for an engine of ``tp_size`` ranks."""
+        single = self.replicas == 1 and self.autoscaling is None and self.pools is None and tp_size == 1
+        return single if self.colocate == "auto" else self.colocate
 
 
 class ObservabilityConfig(_Section):
@@ -289,6 +299,13 @@ class RdserveConfig(_Section):
             raise ValueError("engine.prefill_dtype: 'bfloat16' is for GGUF-block weights (engine.weights gguf/auto, "
                              "tp_size 1); float32 weights prefill in float32")
         eng = self.engine
+        srv = self.serve
+        if srv.colocate is True and (srv.replicas != 1 or srv.autoscaling is not None or srv.pools is not None):
+            raise ValueError("serve.colocate: true runs exactly one engine replica, in the ingress's process; it "
+                             "cannot go with serve.replicas above 1, serve.autoscaling or serve.pools (use 'auto')")
+        if self.serve.colocate is True and eng.tp_size > 1:
+            raise ValueError("serve.colocate: true is for engine.tp_size 1 (tensor-parallel replicas place their "
+                             "ranks as a separate deployment); use 'auto' or false")
         if eng.decode_activations == "int8" and (eng.weights == "float32" or eng.tp_size > 1):
             raise ValueError("engine.decode_activations: 'int8' is for GGUF-block weights (engine.weights gguf/auto, "
                              "tp_size 1)")

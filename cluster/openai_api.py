@@ -1,7 +1,8 @@
 """The HTTP ingress: OpenAI-compatible routes on FastAPI, served by a Ray Serve deployment.
 
 A request's way: validate (pydantic; HTTP 400 naming the field) -> ``EngineRequest`` -> an
-``EngineReplica`` through a streaming ``DeploymentHandle`` -> JSON response or server-sent events.
+``EngineReplica``, through a streaming ``DeploymentHandle`` or in this process (``serve.colocate``,
+:mod:`cluster.engine_client`) -> JSON response or server-sent events.
 The replica's first stream item says whether the request was accepted (``Started``) or rejected
 (``Failed``), so the HTTP status is known before any event is sent.
 No ``from __future__ import annotations`` here: Serve's class-based ingress needs real annotations
@@ -22,7 +23,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel
 from ray import serve
 from ray.serve.exceptions import BackPressureError
-from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
+from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster.protocol import (
@@ -38,6 +39,7 @@ from cluster.body_limit import BodyLimit, BodyLimitSetting
 from cluster.config import ServeConfig
 from cluster.disconnect import QuietDisconnect, info_now
 from cluster.drain import Admission
+from cluster.engine_client import HandleClient, InProcessClient, ResponseStream
 from cluster.goodput import StepCosts
 from cluster.observability.http import add_metrics_routes
 from cluster.limits import RETRY_AFTER_MIN_S, Interrupted, RequestGuard
@@ -115,27 +117,32 @@ def _interrupted_response(err: Interrupted) -> JSONResponse:
                         headers={"Retry-After": str(RETRY_AFTER_MIN_S)})
 
 
-@serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=256)
+INGRESS_MAX_ONGOING_REQUESTS = 256
+"""Requests one ingress replica holds at once (streams included); more wait in Serve's proxy."""
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=INGRESS_MAX_ONGOING_REQUESTS)
 @serve.ingress(api)
 class OpenAIIngress:
-    """``engine``: the engine deployment's handle, or in two-pool mode ``{"spec": handle, "plain":
-    handle}`` with ``pool_policy`` ``{"calibration": path, "shape": [num_beams, draft_len_per_beam]}``
+    """``engine``: the engine deployment's handle (or an :class:`InProcessClient`, :mod:`cluster.colocated`),
+    or in two-pool mode ``{"spec": handle, "plain": handle}`` with ``pool_policy`` ``{"calibration": path, "shape": [num_beams, draft_len_per_beam]}``
     (the spec pool's shape); each request then goes to the pool :mod:`cluster.pools` chooses.
     ``serve_cfg``: API keys, body size cap, request timeout and drain timeout (``serve.*``; default: none of them)."""
 
-    def __init__(self, engine: DeploymentHandle | dict, model_name: str, pool_policy: dict | None = None,
+    def __init__(self, engine: DeploymentHandle | InProcessClient | dict, model_name: str, pool_policy: dict | None = None,
                  serve_cfg: ServeConfig | None = None):
         serve_cfg = serve_cfg or ServeConfig()
         BODY_LIMIT.max_bytes = serve_cfg.max_request_body_bytes
         API_KEYS.set(resolve_keys(serve_cfg.api_keys))  # ValueError (never a key) when the env var/file is missing
         self.admission = Admission(serve_cfg.request_timeout_s)
         self.drain_timeout_s = serve_cfg.drain_timeout_s
-        self.engines = engine if isinstance(engine, dict) else {"engine": engine}
+        engines = engine if isinstance(engine, dict) else {"engine": engine}
+        self.engines = {name: e if isinstance(e, InProcessClient) else HandleClient(e) for name, e in engines.items()}
         self.engine = next(iter(self.engines.values()))  # health's engine stats (the spec pool's with pools)
         self.model_name = model_name
         self.created = int(time.time())
         self.app_name = serve.get_replica_context().app_name
-        self.pools = {name: h.deployment_name for name, h in self.engines.items()}  # for the replica counts
+        self.pools = {name: e.deployment_name for name, e in self.engines.items()}  # for the replica counts
         self.pool_load = None
         self._refresh = None
         if pool_policy is not None:
@@ -149,7 +156,7 @@ class OpenAIIngress:
             for pool, count in (counts or {}).items():
                 self.pool_load.replicas[pool] = max(1, count["running"])
             try:
-                stats = await asyncio.wait_for(self.engines["spec"].record_routing_stats.remote(), REPLICA_COUNTS_TIMEOUT_S)
+                stats = await asyncio.wait_for(self.engines["spec"].routing_stats(), REPLICA_COUNTS_TIMEOUT_S)
                 self.pool_load.tau = stats.get("tau") or self.pool_load.tau
             except Exception as err:  # keep the last estimate; the next refresh tries again
                 log.warning("spec pool stats unavailable: %s", err)
@@ -164,10 +171,10 @@ class OpenAIIngress:
         """
         replicas = asyncio.ensure_future(replica_counts(self.app_name, self.pools, REPLICA_COUNTS_TIMEOUT_S))
         try:
-            stats = await asyncio.wait_for(self.engine.stats.remote(), HEALTH_TIMEOUT_S)
-            for name, handle in self.engines.items():  # in two-pool mode every pool must answer
-                if handle is not self.engine:
-                    await asyncio.wait_for(handle.stats.remote(), HEALTH_TIMEOUT_S)
+            stats = await asyncio.wait_for(self.engine.stats(), HEALTH_TIMEOUT_S)
+            for name, client in self.engines.items():  # in two-pool mode every pool must answer
+                if client is not self.engine:
+                    await asyncio.wait_for(client.stats(), HEALTH_TIMEOUT_S)
         except Exception as err:
             return JSONResponse({"status": "unavailable", "error": str(err), "replicas": await replicas},
                                 status_code=503)
@@ -226,14 +233,14 @@ class OpenAIIngress:
 
     async def _start(self, req: EngineRequest, body: ChatCompletionRequest | CompletionRequest,
                      fmt: ChatFormat | CompletionFormat, guard: RequestGuard):
-        handle, pool, reason = self.engine, None, None
+        client, pool, reason = self.engine, None, None
         if self.pool_load is not None:
             if self._refresh is None:
                 self._refresh = asyncio.ensure_future(self._refresh_pools())
             pool, reason = (req.mode, f"pool {req.mode}: requested") if req.mode in ("spec", "plain") \
                 else self.pool_load.choose()
-            handle, req = self.engines[pool], dataclasses.replace(req, mode=pool)
-        stream: DeploymentResponseGenerator = handle.options(stream=True).generate.remote(req)
+            client, req = self.engines[pool], dataclasses.replace(req, mode=pool)
+        stream: ResponseStream = client.stream(req)
         if pool is not None:
             self.pool_load.started(pool)
             stream = TrackedStream(stream, functools.partial(self.pool_load.finished, pool))
@@ -264,7 +271,7 @@ class OpenAIIngress:
             response = JSONResponse(jsonable_encoder(response), headers=headers)
         return response
 
-    async def _collect(self, stream: DeploymentResponseGenerator, started: Started,
+    async def _collect(self, stream: ResponseStream, started: Started,
                        fmt: ChatFormat | CompletionFormat, guard: RequestGuard) -> JSONResponse | BaseModel:
         pieces, last = [], None
         try:
@@ -285,7 +292,7 @@ class OpenAIIngress:
             return _failed_response(Failed(500, "engine error: the generation ended without a final step"))
         return fmt.response("".join(pieces), last.finish_reason, usage_of(last), stats_of(started, last))
 
-    async def _events(self, stream: DeploymentResponseGenerator, started: Started, include_usage: bool,
+    async def _events(self, stream: ResponseStream, started: Started, include_usage: bool,
                       fmt: ChatFormat | CompletionFormat, guard: RequestGuard) -> AsyncIterator[str]:
         """SSE body; on client disconnect the handle call is cancelled, which stops the engine
         (logged at INFO with the response id); a timeout or an aborting drain ends it with an error event."""

@@ -1,6 +1,7 @@
 """Replica counts per pool, as Ray Serve's controller reports them (for ``GET /health``).
 
-A pool is one deployment of engine replicas (today ``engine``: ``EngineReplica``). The counts come
+A pool is one deployment of engine replicas (``engine``: ``EngineReplica``, or ``OpenAIIngress`` when the
+engine runs in the ingress, ``serve.colocate``; ``spec``/``plain`` in two-pool mode). The counts come
 from the controller's ``get_serve_instance_details``, the call behind ``serve status`` and the
 dashboard's REST API, whose ``ServeInstanceDetails`` schema (``ray.serve.schema``) is public; reaching
 the controller by its actor name uses Serve 2.60's private constants.

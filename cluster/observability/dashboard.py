@@ -2,7 +2,8 @@
 
 Rows: traffic, latency, speculative decoding, engine, Ray Serve. Variables: ``datasource``
 (Prometheus), ``model`` (``model_name``), ``app`` (Serve application) and ``pool`` (Serve
-deployment: ``EngineReplica``, or ``EngineReplicaSpec``/``EngineReplicaPlain`` in two-pool mode).
+deployment: ``EngineReplica``, ``OpenAIIngress`` when the engine runs in the ingress (``serve.colocate``), or
+``EngineReplicaSpec``/``EngineReplicaPlain`` in two-pool mode).
 :data:`ROWS` holds every panel's PromQL as plain data, so tests run each query against a real
 Prometheus (``tests/cluster/observability/test_prometheus_ray.py``).
 """

@@ -4,8 +4,8 @@ Names follow vLLM's (``vllm/v1/metrics/loggers.py``) with our prefix: recorded a
 through Ray's metrics API, Ray's metrics agent exports them as ``ray_rdserve_<name>``, counters with
 ``_total`` (so ``prompt_tokens`` is scraped as ``ray_rdserve_prompt_tokens_total``). Every series
 carries ``model_name`` and, recorded inside a Serve replica, Ray Serve's ``application``,
-``deployment`` (the pool: ``EngineReplica``, or ``EngineReplicaSpec``/``EngineReplicaPlain`` in
-two-pool mode) and ``replica``. Derived figures (acceptance rate, mean acceptance length, tokens per
+``deployment`` (the pool: ``EngineReplica``; ``OpenAIIngress`` when the engine runs in the ingress,
+``serve.colocate``; or ``EngineReplicaSpec``/``EngineReplicaPlain`` in two-pool mode) and ``replica``. Derived figures (acceptance rate, mean acceptance length, tokens per
 step) are PromQL ratios of counters, never pre-averaged gauges (see ``cluster.observability.dashboard``).
 
 Latencies are measured at the engine replica, from the request's arrival there: they exclude HTTP

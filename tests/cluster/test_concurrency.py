@@ -9,7 +9,7 @@ import httpx
 import pytest
 from ray import serve
 
-from cluster.app import deploy
+from cluster.app import deploy, engine_deployment_name
 
 MODEL_NAME = "tiny-llama"
 
@@ -34,17 +34,20 @@ def test_concurrent_requests_get_their_solo_outputs(base_url, http):
         assert t["rdserve"]["mode"] == s["rdserve"]["mode"]
 
 
-@pytest.fixture(scope="module")
-def tight_app(base_url, tiny_config):
-    """The tiny model behind a replica that admits 1 request and queues 1 more."""
+@pytest.fixture(scope="module", params=[True, False], ids=["colocated", "separate"])
+def tight_app(request, base_url, tiny_config):
+    """The tiny model behind a replica that admits 1 request and queues 1 more: in the ingress's process
+    (the limits are the in-process client's) and as its own deployment (Serve's); ``(url, the engine's
+    deployment)``."""
     cfg = tiny_config.model_copy(update={"serve": tiny_config.serve.model_copy(
-        update={"max_ongoing_requests": 1, "max_queued_requests": 1})})
+        update={"max_ongoing_requests": 1, "max_queued_requests": 1, "colocate": request.param})})
     deploy(cfg, name="tight", route_prefix="/tight")
-    yield f"{base_url}/tight"
+    yield f"{base_url}/tight", engine_deployment_name(cfg)
     serve.delete("tight")
 
 
 def test_full_queue_answers_503_and_the_rest_complete(tight_app):
+    tight_app, _ = tight_app
     bodies = [{**body(i, "plain"), "max_tokens": 150} for i in range(6)]
     responses = asyncio.run(post_all(tight_app, "/v1/completions", bodies))
     codes = sorted(r.status_code for r in responses)
@@ -66,8 +69,9 @@ def test_openai_client_retries_a_503_after_retry_after(tight_app):
 
     import openai
 
+    tight_app, engine = tight_app
     assert httpx.post(f"{tight_app}/v1/completions", json=body(0, "plain"), timeout=60).status_code == 200
-    serve.get_deployment_handle("EngineReplica", "tight").stall_engine_for_test.remote(6.0).result()
+    serve.get_deployment_handle(engine, "tight").stall_engine_for_test.remote(6.0).result()
     seen = []
     hook = lambda r: seen.append((time.monotonic(), r.status_code, r.headers.get("retry-after")))  # noqa: E731
     client = openai.OpenAI(base_url=f"{tight_app}/v1", api_key="unused", max_retries=5,

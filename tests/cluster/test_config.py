@@ -107,6 +107,10 @@ def test_relative_paths_resolve_against_the_config_directory(tmp_path):
         ("serve: {autoscaling: {slo_ttft_ms: -1}}", "serve.autoscaling.slo_ttft_ms"),
         ("serve: {autoscaling: {max_replica: 4}}", "serve.autoscaling.max_replica: Extra inputs are not permitted"),
         ("serve: {num_cpus_per_replica: 0}", "serve.num_cpus_per_replica"),
+        ("serve: {colocate: true, replicas: 2}", "serve.colocate: true runs exactly one engine replica"),
+        ("serve: {colocate: true, autoscaling: {max_replicas: 2}}", "serve.colocate: true runs exactly one"),
+        ("serve: {colocate: true}\nengine: {tp_size: 2}", "serve.colocate: true is for engine.tp_size 1"),
+        ("serve: {colocate: sometimes}", "serve.colocate"),
         ("servr: {port: 1}", "servr: Extra inputs are not permitted"),
     ],
 )
@@ -163,3 +167,16 @@ def test_autoscale_yaml_scales_one_to_two_replicas_quickly():
     local = load_config(REPO / "configs" / "local.yaml")
     assert (cfg.model, cfg.drafter, cfg.engine.model_dump(exclude={"num_threads"})) == (
         local.model, local.drafter, local.engine.model_dump(exclude={"num_threads"}))
+
+
+@pytest.mark.parametrize("yaml_text, colocated", [
+    ("", True),  # one fixed replica: the engine runs in the ingress's process
+    ("serve: {colocate: false}", False),
+    ("serve: {replicas: 2}", False),
+    ("serve: {autoscaling: {max_replicas: 2}}", False),
+    ("engine: {tp_size: 2}", False),  # ranks are placed as a separate deployment
+    ("serve: {colocate: true}", True),
+])
+def test_colocate_auto_means_exactly_one_engine_replica(tmp_path, yaml_text, colocated):
+    cfg = load_config(write(tmp_path, yaml_text + "\n"))
+    assert cfg.serve.colocated(cfg.engine.tp_size) is colocated

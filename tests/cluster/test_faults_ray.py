@@ -175,8 +175,8 @@ def test_killed_replica_actor_fails_only_its_streams_and_the_service_recovers(ap
 
 def test_drain_out_of_time_aborts_streams_with_an_error_event_and_frees_kv(app, tiny_config):
     url = app(app_config(tiny_config), "drainme")
-    engine = serve.get_deployment_handle("EngineReplica", "drainme")
     ingress = serve.get_deployment_handle("OpenAIIngress", "drainme")
+    engine = ingress  # one replica: the engine runs in the ingress (serve.colocate)
 
     async def run():
         async with httpx.AsyncClient(base_url=url, timeout=120) as client:

@@ -94,7 +94,7 @@ def test_stalled_engine_times_requests_out_and_recovers(guarded):
     """A stream that has started and a request waiting for its first token, both past
     request_timeout_s while the engine thread sleeps: an error event and a 504; afterwards every KV
     block is free and requests succeed."""
-    engine = serve.get_deployment_handle("EngineReplica", "guarded")
+    engine = serve.get_deployment_handle("OpenAIIngress", "guarded")  # the engine is in the ingress (serve.colocate)
 
     async def run():
         async with httpx.AsyncClient(base_url=guarded, headers=AUTH, timeout=60) as http:

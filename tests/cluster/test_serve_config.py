@@ -59,7 +59,12 @@ def test_deployments_section_is_what_the_code_binds():
     assert engine["graceful_shutdown_timeout_s"] == scaling.graceful_shutdown_timeout_s
     assert "num_replicas" not in engine
     assert deployment_options(config_from_args(application["args"])) == application["deployments"]
-    fixed = load_config(LOCAL)
-    (engine,) = [d for d in deployment_options(fixed) if d["name"] == "EngineReplica"]
+    fixed = load_config(LOCAL)  # one replica: the engine runs in the ingress's process (serve.colocate auto)
+    (ingress,) = deployment_options(fixed)
+    assert ingress["name"] == "OpenAIIngress" and ingress["num_replicas"] == 1
+    assert ingress["ray_actor_options"]["num_cpus"] == fixed.serve.num_cpus_per_replica  # the engine's CPUs
+    assert ingress["health_check_period_s"] == engine["health_check_period_s"]  # probed as an engine replica is
+    separate = fixed.model_copy(update={"serve": fixed.serve.model_copy(update={"colocate": False})})
+    (engine,) = [d for d in deployment_options(separate) if d["name"] == "EngineReplica"]
     assert engine["num_replicas"] == fixed.serve.replicas and "autoscaling_config" not in engine
-    assert len(build_app(fixed)._bound_deployment.init_args) == 2  # ingress(engine handle, model name)
+    assert len(build_app(separate)._bound_deployment.init_args) == 2  # ingress(engine handle, model name)

@@ -14,6 +14,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from cluster.app import engine_deployment_name
+from cluster.config import load_config
+
 REPO = Path(__file__).resolve().parents[2]
 DURATION_S = 60
 MAX_SLOPE_MB_PER_1K = 150.0
@@ -41,7 +44,7 @@ def test_short_soak_loses_nothing_frees_kv_and_drains(tiny_config_path, tmp_path
     assert kv["load"] == 0 and kv["free_blocks"] == kv["blocks"], kv
     memory = report["memory"]
     assert memory["total_slope_mb_per_1k"] is not None and memory["total_slope_mb_per_1k"] < MAX_SLOPE_MB_PER_1K, memory
-    engines = [n for n in memory["per_process"] if "EngineReplica" in n]
+    engines = [n for n in memory["per_process"] if engine_deployment_name(load_config(config)) in n]
     assert engines, sorted(memory["per_process"])  # the engine replica's RSS was sampled
     drain = report["drain"]
     assert drain["exit_code"] == 0 and drain["streams"] == ["ok"] * 4, drain

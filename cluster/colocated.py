@@ -1,0 +1,48 @@
+"""The engine inside the ingress replica (``serve.colocate``): one process from HTTP request to engine.
+
+With a separate engine deployment every token goes engine thread -> replica event loop -> a Ray
+streaming call -> the ingress process's event loop -> HTTP. On a
+small CPU machine each of those wake-ups takes a core from the engine's OpenMP threads, and served
+decoding ran at 0.78-0.89x the engine in process (``benchmarks/served_vs_engine.py``). When the
+application has one engine replica anyway, :class:`ColocatedIngress` builds that replica
+(:class:`cluster.replica.EngineReplica`, unchanged) in its own process and streams from it through
+:class:`cluster.engine_client.InProcessClient`: the engine thread hands a token to the event loop that
+writes the HTTP response.
+
+Everything else is the ingress's (:class:`cluster.openai_api.OpenAIIngress`): routes, auth, limits,
+drain, ``/health``. Serve's health probe reaches the engine (``check_health``), and the replica's
+operator and test hooks (``stats``, ``processes``, ``stall_engine_for_test``) answer on this
+deployment's handle as they do on ``EngineReplica``'s.
+"""
+
+from __future__ import annotations
+
+from ray import serve
+
+from cluster.config import RdserveConfig
+from cluster.engine_client import InProcessClient
+from cluster.openai_api import OpenAIIngress
+from cluster.replica import EngineReplica
+
+
+class ColocatedIngress(OpenAIIngress.func_or_class):
+    """The OpenAI ingress with its engine replica built in this process (``cfg.serve.colocated(...)``)."""
+
+    async def __init__(self, cfg: RdserveConfig):
+        self.replica = EngineReplica.func_or_class(cfg)  # builds the engine on its own thread
+        name = serve.get_replica_context().replica_id.deployment_id.name
+        client = InProcessClient(self.replica, name, cfg.serve.max_ongoing_requests, cfg.serve.max_queued_requests)
+        await super().__init__(client, cfg.model.name, serve_cfg=cfg.serve)
+
+    def check_health(self) -> None:
+        """Serve's health probe: see :meth:`EngineReplica.check_health` (raises ``RuntimeError``)."""
+        self.replica.check_health()
+
+    def stats(self) -> dict:
+        return self.replica.stats()
+
+    def processes(self) -> dict:
+        return self.replica.processes()
+
+    def stall_engine_for_test(self, seconds: float) -> None:
+        self.replica.stall_engine_for_test(seconds)
