@@ -32,6 +32,8 @@ class ColocatedIngress(OpenAIIngress.func_or_class):
         self.replica = EngineReplica.func_or_class(cfg)  # builds the engine on its own thread
         name = serve.get_replica_context().replica_id.deployment_id.name
         client = InProcessClient(self.replica, name, cfg.serve.max_ongoing_requests, cfg.serve.max_queued_requests)
+        if self.replica.metrics is not None:
+            self.replica.metrics.queued = lambda: client.waiting  # Serve's queue was the gauge of it before
         await super().__init__(client, cfg.model.name, serve_cfg=cfg.serve)
 
     def check_health(self) -> None:
@@ -39,7 +41,7 @@ class ColocatedIngress(OpenAIIngress.func_or_class):
         self.replica.check_health()
 
     def stats(self) -> dict:
-        return self.replica.stats()
+        return {**self.replica.stats(), "queued": self.engine.waiting}
 
     def processes(self) -> dict:
         return self.replica.processes()

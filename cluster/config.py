@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 import yaml
-from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, SecretStr, ValidationError, ValidationInfo,
-                      field_validator, model_validator)
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, SecretStr, StrictBool,
+                      ValidationError, ValidationInfo, field_validator, model_validator)
 
 from cluster.auth import ApiKeySource, parse_api_keys, resolve_keys
 from cluster.k8s.settings import KubernetesConfig
@@ -253,7 +253,7 @@ class ServeConfig(_Section):
     drain_timeout_s: float = Field(30.0, gt=0, description="on shutdown (SIGTERM, Ctrl-C) or when Serve stops a "
                                    "replica without autoscaling, requests in flight may finish for this long "
                                    "before they are aborted with an error")
-    colocate: bool | Literal["auto"] = Field(
+    colocate: StrictBool | Literal["auto"] = Field(
         "auto", description="run the engine inside the ingress replica's process, so a token goes from the engine "
         "thread to the HTTP response without crossing Ray (cluster.colocated): 'auto' = when the application has "
         "exactly one engine replica (serve.replicas 1, no autoscaling, no pools, engine.tp_size 1); true = require "

@@ -62,13 +62,15 @@ class InProcessClient:
         self.deployment_name = deployment_name
         self.max_queued_requests = max_queued_requests
         self.slots = asyncio.Semaphore(max_ongoing_requests)
-        self.waiting = 0
+        self.waiting = 0  # requests waiting here for a slot (Serve's queue, with a separate deployment)
+        self.closing: set[asyncio.Task] = set()  # generators being closed by cancel()
 
     def stream(self, request) -> ResponseStream:
-        return _LocalStream(self, request)
+        return _LocalStream(self, request, asyncio.get_running_loop())
 
     async def stats(self) -> dict:
-        return self.replica.stats()
+        """The replica's stats (``EngineReplica.stats``) and ``queued``: requests waiting for a slot."""
+        return {**self.replica.stats(), "queued": self.waiting}
 
     async def routing_stats(self) -> dict:
         return self.replica.record_routing_stats()
@@ -90,14 +92,15 @@ class InProcessClient:
 
 class _LocalStream:
     """One request on an :class:`InProcessClient`: waits for a slot at its first ``__anext__``, then
-    iterates ``replica.generate``; the slot is given back exactly once, when the stream ends, fails, is
-    cancelled or is dropped."""
+    iterates ``replica.generate``; the slot is given back exactly once, when the generator has ended
+    (finished, failed, cancelled or closed), or when the stream is dropped."""
 
-    def __init__(self, client: InProcessClient, request):
-        self.client, self.request = client, request
+    def __init__(self, client: InProcessClient, request, loop: asyncio.AbstractEventLoop):
+        self.client, self.request, self.loop = client, request, loop
         self.items = None
         self.holds_slot = False
         self.over = False
+        self.cancelled = False
 
     def __aiter__(self):
         return self
@@ -109,18 +112,33 @@ class _LocalStream:
             if self.items is None:
                 await self.client.admit()
                 self.holds_slot = True
+                if self.cancelled:  # cancelled while it waited for the slot
+                    raise StopAsyncIteration
                 self.items = self.client.replica.generate(self.request)
-            return await anext(self.items)
+            item = await anext(self.items)
         except BaseException:  # StopAsyncIteration included; a cancelled wait (deadline) closes the generator too
             self._end()
             raise
+        if self.cancelled:  # cancel() came from elsewhere while this wait ran: end here
+            await self.items.aclose()
+            self._end()
+            raise StopAsyncIteration
+        return item
 
     def cancel(self) -> None:
-        """Abort the request: the engine drops it before its next iteration (a wait in ``__anext__``
-        that is being cancelled by its task ends it the same way)."""
+        """Abort the request: the engine drops it before its next iteration. While another task waits
+        in ``__anext__`` the request ends when that wait returns (a wait that is itself being cancelled
+        ends it the same way); the slot is held until then."""
         items = self.items
-        if items is not None and not self.over and not items.ag_running:
-            asyncio.ensure_future(items.aclose())  # runs the generator's cleanup: the engine's abort
+        if self.over:
+            return
+        self.cancelled = True
+        if items is not None and items.ag_running:
+            return
+        if items is not None:
+            task = asyncio.ensure_future(items.aclose())  # runs the generator's cleanup: the engine's abort
+            self.client.closing.add(task)
+            task.add_done_callback(self.client.closing.discard)
         self._end()
 
     def _end(self) -> None:
@@ -130,6 +148,9 @@ class _LocalStream:
             self.client.slots.release()
 
     def __del__(self):
-        if self.holds_slot:
+        if self.holds_slot:  # the garbage collector may run this on any thread: release on the loop's
             self.holds_slot = False
-            self.client.slots.release()
+            try:
+                self.loop.call_soon_threadsafe(self.client.slots.release)
+            except RuntimeError:  # the loop is closed: nothing waits for the slot
+                pass

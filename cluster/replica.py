@@ -137,7 +137,8 @@ class EngineReplica:
                 "kernel": self.engine.kernel, "spec_max_load": self.router.spec_max_load,
                 "kv_cache": {"blocks": kv.num_blocks, "tokens_per_block": kv.block_size, "tokens": kv.num_tokens,
                              "mib": round(kv.mib, 1), "free_blocks": blocks.num_free_blocks},
-                **({"failure": str(self.engine.executor.failure)} if self.engine.executor.failure else {})}
+                **({"failure": str(failure)} if (failure := self.engine.executor.failure or self.async_engine.failure)
+                   else {})}
 
     def processes(self) -> dict:
         """OS processes of this replica, for operators and fault-injection tests: ``{"pid": int,

@@ -14,7 +14,8 @@ iterations and runs :meth:`Engine.step` while any request is unfinished. asyncio
 their deltas through per-request queues. A request whose consumer stops early (a client that
 disconnected) is aborted, and its KV blocks are free at the next iteration. An exception inside an
 iteration fails every request then in flight with that error (none hangs) and the engine goes on
-with new requests.
+with new requests. If the thread itself dies (an error outside an iteration, ``SystemExit``...), every
+request in flight and every later one fails at once with :class:`EngineFailure` (``failure`` says why).
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ class AsyncEngine:
         self._sinks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._ids = itertools.count()
         self._stopped = False
+        self.failure: EngineFailure | None = None  # set when the engine thread died; then nothing runs
         self.step_s = 0.0  # moving average of seconds per iteration (weight 0.1), for routing stats
         built: Future = Future()
         self._thread = threading.Thread(target=self._run, args=(build, built), name="engine", daemon=True)
@@ -70,11 +72,16 @@ class AsyncEngine:
         return len(self._sinks)
 
     async def call(self, fn: Callable, *args):
-        """Run ``fn(*args)`` on the engine thread between iterations (tokenizer, engine queries)."""
+        """Run ``fn(*args)`` on the engine thread between iterations (tokenizer, engine queries).
+
+        Raises:
+            EngineFailure: the engine thread has died.
+        """
         return await asyncio.wrap_future(self.call_soon(fn, *args))
 
     def call_soon(self, fn: Callable, *args) -> Future:
-        """Queue ``fn(*args)`` for the engine thread (between iterations) without waiting; its result's Future."""
+        """Queue ``fn(*args)`` for the engine thread (between iterations) without waiting; its result's
+        Future (failed with :class:`EngineFailure` if the engine thread has died)."""
         future: Future = Future()
         self._submit(("call", fn, args, future))
         return future
@@ -85,14 +92,17 @@ class AsyncEngine:
 
         Raises:
             ValueError: the engine rejected the request (see :meth:`Engine.add_request`).
-            EngineFailure: an iteration failed while the request was in flight.
+            EngineFailure: an iteration failed while the request was in flight, or the engine thread died.
         """
         rid = request_id or f"req-{next(self._ids)}"
         sink: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
         if rid in self._sinks:
             raise ValueError(f"request id {rid!r} is in use")
-        self._sinks[rid] = (loop, sink)
+        self._sinks[rid] = (loop, sink)  # before the check below: a thread dying meanwhile fails this sink
+        if self.failure is not None:
+            self._sinks.pop(rid, None)
+            raise self.failure
         self._submit(("add", rid, list(prompt_ids), params, mode))
         finished = False
         try:
@@ -123,6 +133,8 @@ class AsyncEngine:
     def _submit(self, command: tuple) -> None:
         self._commands.put(command)
         self._wake.set()
+        if self.failure is not None:  # nobody will run it: answer it here
+            self._reject_commands()
 
     def _deliver(self, rid: str, item) -> None:
         target = self._sinks.get(rid)
@@ -153,8 +165,10 @@ class AsyncEngine:
                     continue
                 try:
                     future.set_result(fn(*args))
-                except Exception as err:  # handed to the caller
+                except BaseException as err:  # handed to the caller; SystemExit and the like end the thread too
                     future.set_exception(err)
+                    if not isinstance(err, Exception):
+                        raise
 
     def _run(self, build: Callable[[], Engine], built: Future) -> None:
         try:
@@ -164,7 +178,28 @@ class AsyncEngine:
             return
         self.engine = engine
         built.set_result(engine)
-        self._loop()
+        reason = "the engine was shut down"
+        try:
+            self._loop()
+        except BaseException as err:
+            log.exception("the engine thread stopped")
+            reason = f"the engine thread stopped ({type(err).__name__}: {err})"
+            raise
+        finally:  # the thread is ending: nothing may wait for it
+            self.failure = EngineFailure(f"engine error: {reason}")
+            for rid in list(self._sinks):
+                self._deliver(rid, self.failure)
+            self._reject_commands()
+
+    def _reject_commands(self) -> None:
+        """After the thread died: fail every queued call (an ``add``'s sink was failed already)."""
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if command[0] == "call" and command[3].set_running_or_notify_cancel():
+                command[3].set_exception(self.failure)
 
     def _loop(self) -> None:
         while not self._stopped:

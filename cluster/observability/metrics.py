@@ -80,7 +80,9 @@ METRICS: tuple[MetricDef, ...] = (
     MetricDef("num_requests_running",                     G, (),                   None,              "engine",
               "Requests in the running batch."),
     MetricDef("num_requests_waiting",                     G, (),                   None,              "engine",
-              "Requests waiting in the engine for the running batch."),
+              "Requests waiting for the running batch: in the engine's queue, and in the ingress's when the engine "
+              "runs there (serve.colocate; with a separate engine deployment Serve's queue is "
+              "ray_serve_deployment_queued_queries)."),
     MetricDef("kv_cache_usage_perc",                      G, (),                   None,              "engine",
               "Paged KV cache usage, 0-1 (used blocks / blocks)."),
     MetricDef("generation_steps",                         C, (),                   None,              "engine",

@@ -36,10 +36,13 @@ def make_metric(spec: MetricDef, model_name: str):
 
 
 class ReplicaMetrics:
-    """Records one engine replica's metrics. ``async_engine``: the replica's ``AsyncEngine``."""
+    """Records one engine replica's metrics. ``async_engine``: the replica's ``AsyncEngine``.
+    ``queued``: how many requests wait for the engine outside it (the in-process client's queue when
+    the engine runs in the ingress, ``cluster.engine_client``); counted in ``num_requests_waiting``."""
 
     def __init__(self, async_engine, model_name: str):
         self.async_engine = async_engine
+        self.queued = lambda: 0
         self.m = {s.name: make_metric(s, model_name) for s in METRICS if s.where != "ingress"}
         async_engine.engine.stats = EngineStats()
         self._poller: asyncio.Task | None = None
@@ -81,7 +84,7 @@ class ReplicaMetrics:
         for t in d.finished:
             m["request_decode_time_seconds"].observe(t.decode_s)
         m["num_requests_running"].set(d.num_running)
-        m["num_requests_waiting"].set(d.num_waiting)
+        m["num_requests_waiting"].set(d.num_waiting + self.queued())
         m["kv_cache_usage_perc"].set(d.kv_cache_usage)
         m["spec_decode_num_beams"].set(d.spec_shape[0])
         m["spec_decode_draft_len_per_beam"].set(d.spec_shape[1])

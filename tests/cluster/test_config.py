@@ -111,6 +111,7 @@ def test_relative_paths_resolve_against_the_config_directory(tmp_path):
         ("serve: {colocate: true, autoscaling: {max_replicas: 2}}", "serve.colocate: true runs exactly one"),
         ("serve: {colocate: true}\nengine: {tp_size: 2}", "serve.colocate: true is for engine.tp_size 1"),
         ("serve: {colocate: sometimes}", "serve.colocate"),
+        ("serve: {colocate: 'yes'}", "serve.colocate"),  # a string is not a boolean here
         ("servr: {port: 1}", "servr: Extra inputs are not permitted"),
     ],
 )

@@ -49,7 +49,7 @@ def test_streams_items_and_frees_the_slot_at_the_end():
 
     first, second, closed, stats = asyncio.run(run())
     assert first == ["a:0", "a:1", "a:2"] and second == ["b:0", "b:1"]
-    assert closed == ["a", "b"] and stats == {"load": 0}
+    assert closed == ["a", "b"] and stats == {"load": 0, "queued": 0}
 
 
 def test_at_most_max_ongoing_in_the_engine_the_rest_wait_in_order_then_503():
@@ -139,3 +139,66 @@ def test_a_dropped_stream_gives_its_slot_back():
         return await asyncio.wait_for(drain(client.stream(("b", 1))), 1.0)
 
     assert asyncio.run(run()) == ["b:0"]
+
+
+async def _next_or_end(stream):
+    try:
+        return await anext(stream)
+    except StopAsyncIteration:
+        return "end"
+
+
+def test_cancel_from_another_task_holds_the_slot_until_the_running_wait_returns():
+    """cancel() while another task waits inside the replica's generator: the slot is not handed on
+    (the request is still in the engine); the wait then ends the stream and frees it."""
+
+    async def run():
+        replica = FakeReplica()
+        replica.gate = asyncio.Event()
+        client = InProcessClient(replica, "x", max_ongoing_requests=1, max_queued_requests=None)
+        stream = client.stream(("a", 5))
+        waiting = asyncio.ensure_future(_next_or_end(stream))
+        await asyncio.sleep(0.01)  # inside the generator, at the gate
+        stream.cancel()
+        other = asyncio.ensure_future(drain(client.stream(("b", 1))))
+        await asyncio.sleep(0.02)
+        b_ran_early = other.done() or "b" in replica.started
+        replica.gate.set()
+        return b_ran_early, await waiting, list(replica.closed), await asyncio.wait_for(other, 1.0)
+
+    b_ran_early, ended, closed, b = asyncio.run(run())
+    assert not b_ran_early and ended == "end" and closed[0] == "a" and b == ["b:0"]
+
+
+def test_cancel_while_queued_never_reaches_the_engine():
+    async def run():
+        replica = FakeReplica()
+        replica.gate = asyncio.Event()
+        client = InProcessClient(replica, "x", max_ongoing_requests=1, max_queued_requests=None)
+        holder = asyncio.ensure_future(drain(client.stream(("a", 1))))
+        await asyncio.sleep(0.01)
+        queued = client.stream(("b", 1))
+        waiting = asyncio.ensure_future(_next_or_end(queued))
+        await asyncio.sleep(0.01)
+        queued.cancel()  # from this task, while the other waits for a slot
+        replica.gate.set()
+        return await holder, await waiting, await asyncio.wait_for(drain(client.stream(("c", 1))), 1.0), replica.started
+
+    a, b, c, started = asyncio.run(run())
+    assert a == ["a:0"] and b == "end" and c == ["c:0"] and started == ["a", "c"]
+
+
+def test_stats_add_the_requests_waiting_for_a_slot():
+    async def run():
+        replica = FakeReplica()
+        replica.gate = asyncio.Event()
+        client = InProcessClient(replica, "x", max_ongoing_requests=1, max_queued_requests=None)
+        tasks = [asyncio.ensure_future(drain(client.stream((n, 1)))) for n in "abc"]
+        await asyncio.sleep(0.01)
+        stats = await client.stats()
+        replica.gate.set()
+        await asyncio.gather(*tasks)
+        return stats, await client.stats()
+
+    during, after = asyncio.run(run())
+    assert during == {"load": 1, "queued": 2} and after == {"load": 0, "queued": 0}

@@ -85,3 +85,43 @@ def test_a_call_cancelled_while_queued_leaves_the_engine_thread_running(tiny_mod
         assert engine.alive
     finally:
         engine.shutdown()
+
+
+def test_a_dead_engine_thread_fails_requests_in_flight_and_later_ones_at_once(tiny_model_dirs):
+    """The engine thread dies outside an iteration (here: ``SystemExit`` from a call run between
+    iterations): the stream in flight ends with ``EngineFailure``, and a new request, a new call and a
+    call queued behind the fatal one fail at once instead of waiting for a thread that is gone."""
+    import asyncio
+
+    import pytest
+
+    from workers.async_engine import AsyncEngine, EngineFailure
+    from workers.engine import Engine
+    from workers.sampling import SamplingParams
+
+    engine = AsyncEngine(lambda: Engine(str(tiny_model_dirs["tied_gqa2"]), None, num_threads=1, max_seq_len=256,
+                                        num_kv_blocks=64, tokens_per_block=4))
+
+    def die():
+        raise SystemExit("killed for the test")
+
+    async def main():
+        stream = engine.generate([5, 6, 7], SamplingParams(max_tokens=200, ignore_eos=True), "plain")
+        first = await anext(stream)  # decoding
+        fatal = engine.call_soon(die)
+        queued = engine.call_soon(lambda: "never")
+        with pytest.raises(EngineFailure, match="SystemExit"):
+            async for _ in stream:
+                pass
+        with pytest.raises(EngineFailure, match="engine thread stopped"):
+            await asyncio.wrap_future(queued)
+        with pytest.raises(EngineFailure):
+            await engine.call(engine.engine.encode_prompt, "hello")
+        with pytest.raises(EngineFailure):
+            await anext(engine.generate([5, 6], SamplingParams(max_tokens=2), "plain"))
+        return first, fatal
+
+    first, fatal = asyncio.run(asyncio.wait_for(main(), 60))
+    assert first.completion_tokens >= 1 and isinstance(fatal.exception(timeout=10), SystemExit)
+    engine._thread.join(10)
+    assert not engine.alive and engine.failure is not None
