@@ -3,7 +3,7 @@
 With a separate engine deployment every token goes engine thread -> replica event loop -> a Ray
 streaming call -> the ingress process's event loop -> HTTP. On a
 small CPU machine each of those wake-ups takes a core from the engine's OpenMP threads, and served
-decoding ran at 0.78-0.89x the engine in process (``benchmarks/served_vs_engine.py``). When the
+decoding ran at 0.77-0.89x the engine in process (``benchmarks/served_vs_engine.py``). When the
 application has one engine replica anyway, :class:`ColocatedIngress` builds that replica
 (:class:`cluster.replica.EngineReplica`, unchanged) in its own process and streams from it through
 :class:`cluster.engine_client.InProcessClient`: the engine thread hands a token to the event loop that
