@@ -165,8 +165,9 @@ def build_app(cfg: RdserveConfig) -> Application:
     """Bind the deployments for ``cfg``; ``serve.run(build_app(cfg))`` deploys them.
 
     One engine replica (``serve.colocate``, :meth:`ServeConfig.colocated`): ``OpenAIIngress`` with the
-    engine in its process. One pool: ingress -> ``EngineReplica``. Two-pool mode: ingress -> ``EngineReplicaSpec`` and
-    ``EngineReplicaPlain`` (see :func:`pool_configs`); the ingress picks the pool per request.
+    engine in its process. One pool: ingress -> ``EngineReplica``. Two-pool mode: ingress ->
+    ``EngineReplicaSpec`` and ``EngineReplicaPlain`` (see :func:`pool_configs`); the ingress picks the
+    pool per request.
     """
     if cfg.serve.colocated(cfg.engine.tp_size):
         return _colocated_deployment(cfg)

@@ -125,12 +125,12 @@ INGRESS_MAX_ONGOING_REQUESTS = 256
 @serve.ingress(api)
 class OpenAIIngress:
     """``engine``: the engine deployment's handle (or an :class:`InProcessClient`, :mod:`cluster.colocated`),
-    or in two-pool mode ``{"spec": handle, "plain": handle}`` with ``pool_policy`` ``{"calibration": path, "shape": [num_beams, draft_len_per_beam]}``
-    (the spec pool's shape); each request then goes to the pool :mod:`cluster.pools` chooses.
+    or in two-pool mode ``{"spec": handle, "plain": handle}`` with ``pool_policy``
+    ``{"calibration": path, "shape": [num_beams, draft_len_per_beam]}`` (the spec pool's shape); each request then goes to the pool :mod:`cluster.pools` chooses.
     ``serve_cfg``: API keys, body size cap, request timeout and drain timeout (``serve.*``; default: none of them)."""
 
-    def __init__(self, engine: DeploymentHandle | InProcessClient | dict, model_name: str, pool_policy: dict | None = None,
-                 serve_cfg: ServeConfig | None = None):
+    def __init__(self, engine: DeploymentHandle | InProcessClient | dict, model_name: str,
+                 pool_policy: dict | None = None, serve_cfg: ServeConfig | None = None):
         serve_cfg = serve_cfg or ServeConfig()
         BODY_LIMIT.max_bytes = serve_cfg.max_request_body_bytes
         API_KEYS.set(resolve_keys(serve_cfg.api_keys))  # ValueError (never a key) when the env var/file is missing
