@@ -174,9 +174,10 @@ def served_ttft_sync(base_url: str, model: str, runs: int) -> list[float]:
             t0, first = time.perf_counter(), None
             with client.stream("POST", "/v1/chat/completions", json=body) as resp:
                 for line in resp.iter_lines():
-                    if first is None and line.startswith("data: {") and json.loads(line[6:])["choices"] \
-                            and json.loads(line[6:])["choices"][0]["delta"].get("content"):
-                        first = time.perf_counter()
+                    if first is None and line.startswith("data: {"):
+                        choices = json.loads(line[6:])["choices"]
+                        if choices and choices[0]["delta"].get("content"):
+                            first = time.perf_counter()
             if first is None:
                 raise RuntimeError("a TTFT request streamed no content")
             out.append(first - t0)

@@ -40,8 +40,8 @@ class ColocatedIngress(OpenAIIngress.func_or_class):
         """Serve's health probe: see :meth:`EngineReplica.check_health` (raises ``RuntimeError``)."""
         self.replica.check_health()
 
-    def stats(self) -> dict:
-        return {**self.replica.stats(), "queued": self.engine.waiting}
+    async def stats(self) -> dict:
+        return await self.engine.stats()  # the in-process client's: the replica's, with its queue
 
     def processes(self) -> dict:
         return self.replica.processes()

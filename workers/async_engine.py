@@ -142,12 +142,16 @@ class AsyncEngine:
             loop, sink = target
             loop.call_soon_threadsafe(sink.put_nowait, item)
 
-    def _drain(self) -> None:
+    def _queued(self):
+        """The queued commands, oldest first, each taken off the queue as it is yielded."""
         while True:
             try:
-                command = self._commands.get_nowait()
+                yield self._commands.get_nowait()
             except queue.Empty:
                 return
+
+    def _drain(self) -> None:
+        for command in self._queued():
             kind = command[0]
             if kind == "add":
                 _, rid, prompt_ids, params, mode = command
@@ -193,11 +197,7 @@ class AsyncEngine:
 
     def _reject_commands(self) -> None:
         """After the thread died: fail every queued call (an ``add``'s sink was failed already)."""
-        while True:
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                return
+        for command in self._queued():
             if command[0] == "call" and command[3].set_running_or_notify_cancel():
                 command[3].set_exception(self.failure)
 
