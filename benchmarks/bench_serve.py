@@ -24,6 +24,22 @@ def config_with_model(path: str | Path) -> RdserveConfig:
     return cfg
 
 
+def absolute_paths(data: dict, base: Path) -> dict:
+    """A config mapping (as read from YAML) with its relative file paths made absolute against
+    ``base`` (the directory of the file it came from), so that a copy written elsewhere still finds
+    the model, drafter and calibration files. Changes ``data`` in place and returns it."""
+    def fix(value):
+        return value if value is None or Path(value).expanduser().is_absolute() else str((base / value).resolve())
+
+    for section, key in (("model", "path"), ("drafter", "path"), ("engine", "spec_calibration")):
+        if (data.get(section) or {}).get(key) is not None:
+            data[section][key] = fix(data[section][key])
+    by_kernel = (data.get("engine") or {}).get("spec_calibration_by_kernel")
+    if by_kernel:
+        data["engine"]["spec_calibration_by_kernel"] = {k: fix(v) for k, v in by_kernel.items()}
+    return data
+
+
 @contextmanager
 def local_serve() -> Iterator[int]:
     """Ray (8 CPUs, no dashboard, warnings only) and Ray Serve's HTTP proxy on 127.0.0.1, with

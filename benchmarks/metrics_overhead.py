@@ -24,6 +24,7 @@ import yaml
 from bench_ports import free_port
 from bench_prompts import DATASETS, add_load_options, chat_prompts
 from bench_report import write_report
+from bench_serve import absolute_paths
 from served_vs_engine import served_run, start_server, stop_server
 
 from cluster.config import load_config
@@ -32,12 +33,7 @@ from cluster.config import load_config
 def variant_config(config: Path, enabled: bool, out_dir: Path) -> tuple[Path, int]:
     """CONFIG with ``observability.enabled`` set, free HTTP and metrics ports, and its relative paths made
     absolute (the copy lives elsewhere); returns the copy's path and HTTP port."""
-    data = yaml.safe_load(config.read_text()) or {}
-    base = config.resolve().parent
-    for section, key in (("model", "path"), ("drafter", "path"), ("engine", "spec_calibration")):
-        value = (data.get(section) or {}).get(key)
-        if value is not None and not Path(value).expanduser().is_absolute():
-            data[section][key] = str((base / value).resolve())
+    data = absolute_paths(yaml.safe_load(config.read_text()) or {}, config.resolve().parent)
     port = free_port()
     data.setdefault("serve", {})["port"] = port
     data["observability"] = {**(data.get("observability") or {}), "enabled": enabled, "metrics_port": free_port()}

@@ -51,6 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_ports import free_port  # noqa: E402
 from bench_prompts import DATASETS, chat_prompts  # noqa: E402
 from bench_report import write_report  # noqa: E402
+from bench_serve import absolute_paths  # noqa: E402
 from served_vs_engine import start_server, stop_server  # noqa: E402
 
 from cluster.evaluation.loadgen import LoadSpec, run_load  # noqa: E402
@@ -64,11 +65,7 @@ BUILD_HINT = ("llama.cpp binaries not found in {bin} (need llama-server and llam
 def rdserve_config(base: Path, out_dir: Path, weights: str, threads: int) -> tuple[Path, int]:
     """A copy of config ``base`` with free ports, ``engine.weights``, ``engine.num_threads`` and
     absolute paths (it is written elsewhere); returns (path, HTTP port)."""
-    cfg = yaml.safe_load(base.read_text())
-    for section, key in (("model", "path"), ("drafter", "path"), ("engine", "spec_calibration")):
-        value = (cfg.get(section) or {}).get(key)
-        if value is not None and not Path(value).expanduser().is_absolute():
-            cfg[section][key] = str((base.parent / value).resolve())
+    cfg = absolute_paths(yaml.safe_load(base.read_text()), base.resolve().parent)
     port = free_port()
     cfg.setdefault("engine", {}).update(weights=weights, num_threads=threads)
     cfg.setdefault("serve", {}).update(port=port, host="127.0.0.1", replicas=1)

@@ -7,7 +7,9 @@ picks, per batch size, the shape with the highest expected tokens/s or plain dec
 written into the config's ``engine.spec_schedule`` and the largest batch size that still speculates
 into ``router.spec_max_load`` (requests arriving above it are decoded plain). With
 ``engine.spec_schedule: auto`` the figures themselves are the policy's input: they go to
-``engine.spec_calibration`` (the goodput model, :mod:`cluster.goodput`) and the config is unchanged.
+``engine.spec_calibration`` (the goodput model, :mod:`cluster.goodput`) and the config is unchanged,
+or, where the config keys calibrations by compute path (``engine.spec_calibration_by_kernel``), to
+the entry of the path measured (a new file next to the config, and a new entry with ``--write``).
 """
 
 from __future__ import annotations
@@ -73,10 +75,15 @@ def calibrate(
     context_len: int = typer.Option(256, min=1, help="Cached tokens per request while timing steps (the "
                                     "prompts' text, joined: draft trees then take the shapes real text gives them)."),
     repeats: int = typer.Option(6, min=1, help="Timed iterations per measurement (median)."),
-    out: Path | None = typer.Option(None, help="Where to write every measured figure (JSON); default: the "
-                                    "config's engine.spec_calibration with spec_schedule 'auto', else calibration.json."),
-    write: bool = typer.Option(True, "--write/--no-write", help="Write the derived table into the config "
-                               "(comments and the other keys are kept): into engine.spec_schedule_by_kernel under "
+    out: Path | None = typer.Option(None, help="Where to write every measured figure (JSON); default with "
+                                    "spec_schedule 'auto': the config's engine.spec_calibration_by_kernel entry of the "
+                                    "path measured (if the config has that section; a new one: CONFIG_STEM.calibration."
+                                    "KERNEL.json next to the config), else engine.spec_calibration; otherwise "
+                                    "calibration.json."),
+    write: bool = typer.Option(True, "--write/--no-write", help="Write the result into the config "
+                               "(comments and the other keys are kept). spec_schedule 'auto' with "
+                               "engine.spec_calibration_by_kernel: the file's entry for the path measured, if new. "
+                               "Otherwise the derived table: into engine.spec_schedule_by_kernel under "
                                "the kernel measured (e.g. gguf-avx2) when the config has that section, else into "
                                "engine.spec_schedule and router.spec_max_load."),
 ) -> None:
@@ -89,15 +96,20 @@ def calibrate(
     cfg = _startable_config(config, calibration=False)
     auto = cfg.engine.spec_schedule == "auto"
     by_kernel = cfg.engine.spec_schedule_by_kernel is not None
-    out = out or (cfg.engine.spec_calibration if auto else Path("calibration.json"))
+    calibrations = cfg.engine.spec_calibration_by_kernel if auto else None  # keyed by path: entry found later
+    if out is None and calibrations is None:
+        out = cfg.engine.spec_calibration if auto else Path("calibration.json")
     if cfg.drafter.path is None:
         err_console.print("calibrate needs drafter.path in the config (there is nothing to schedule without it)")
         raise typer.Exit(2)
     batches, shape_list = _parse_batches(batch_sizes), _parse_shapes(shapes)
     cfg.engine = cfg.engine.model_copy(update={"max_batch_size": max(cfg.engine.max_batch_size, batches[-1]),
                                                "spec_schedule": None,  # each measurement sets its shape
-                                               "spec_schedule_by_kernel": None})
+                                               "spec_schedule_by_kernel": None, "spec_calibration_by_kernel": None})
     engine = build_engine(_with_model_dir(cfg))
+    new_entry = calibrations is not None and engine.kernel not in calibrations
+    if out is None:
+        out = calibrations.get(engine.kernel) or config.resolve().parent / f"{config.stem}.calibration.{engine.kernel}.json"
     all_ids = _prompts(engine, prompts, prompts_per_category)
     prompt_ids = [ids for ids in all_ids if len(ids) + max_tokens <= engine.max_seq_len]
     if len(prompt_ids) < len(all_ids):
@@ -133,12 +145,19 @@ def calibrate(
         "spec_schedule": rows,
     }, indent=1))
     console.print(f"figures written to {out}")
-    if auto:
+    if calibrations is not None and new_entry and write:
+        _write_kernel_entry(config, "spec_calibration_by_kernel", engine.kernel, _config_relative(out, config),
+                            f"`rdserve calibrate`: batch sizes {batch_sizes}, shapes {shapes}")
+        console.print(f"engine.spec_calibration_by_kernel.{engine.kernel} written to {config}: replicas on this "
+                      "path read it at start (the goodput model)")
+    elif auto:
+        field = "engine.spec_calibration" if calibrations is None else \
+            f"engine.spec_calibration_by_kernel.{engine.kernel}"
         console.print("engine.spec_schedule is 'auto': the goodput model reads the step costs and tokens per step "
-                      f"from {out} at start (engine.spec_calibration); the config is left as it is")
+                      f"from {out} at start ({field}); the config is left as it is")
     elif write and by_kernel:
-        _write_kernel_schedule(config, engine.kernel, rows, f"`rdserve calibrate` ({out.name}): batch sizes "
-                               f"{batch_sizes}, shapes {shapes}")
+        _write_kernel_entry(config, "spec_schedule_by_kernel", engine.kernel, _yaml_rows(rows),
+                            f"`rdserve calibrate` ({out.name}): batch sizes {batch_sizes}, shapes {shapes}")
         console.print(f"engine.spec_schedule_by_kernel.{engine.kernel} written to {config}")
     elif write:
         _write_schedule(config, rows, f"derived by `rdserve calibrate` ({out.name}): batch sizes {batch_sizes}, "
@@ -179,18 +198,25 @@ def _round_trip(config: Path):
     return rt, rt.load(config.read_text()) or CommentedMap()
 
 
-def _write_kernel_schedule(config: Path, kernel: str, rows, note: str) -> None:
-    """Set ``engine.spec_schedule_by_kernel[kernel]`` in the YAML file, keeping the rest (comments
-    included; a new entry gets ``note`` as its comment, an existing one keeps its own)."""
+def _config_relative(path: Path, config: Path) -> str:
+    """``path`` as a config entry: relative to the config's directory when inside it."""
+    path, base = path.resolve(), config.resolve().parent
+    return str(path.relative_to(base)) if path.is_relative_to(base) else str(path)
+
+
+def _write_kernel_entry(config: Path, section: str, kernel: str, new, note: str) -> None:
+    """Set ``engine.<section>[kernel]`` to ``new`` (round-trip YAML rows, or a scalar) in the YAML file,
+    keeping the rest (comments included; a new entry gets ``note`` as its comment, an existing one
+    keeps its own)."""
     from ruamel.yaml.comments import CommentedMap, CommentedSeq
 
     rt, data = _round_trip(config)
     engine = data.setdefault("engine", CommentedMap())
-    table = engine.get("spec_schedule_by_kernel")
+    table = engine.get(section)
     if not isinstance(table, CommentedMap):
-        table = engine["spec_schedule_by_kernel"] = CommentedMap()
+        table = engine[section] = CommentedMap()
     table.fa.set_block_style()  # `{}` in the file: rows and notes read better in block style
-    old, new = table.get(kernel), _yaml_rows(rows)
+    old = table.get(kernel)
     existed = kernel in table
     # ruamel keeps the full-line comments that follow an entry on its rows' sequence (or on the key of
     # an inline value): refill that sequence in place and keep the key's comments, so that no other

@@ -105,11 +105,35 @@ class EngineConfig(_Section):
         "`rdserve calibrate --write` fills the entry of the path it ran on",
     )
     spec_calibration: Path | None = Field(
-        None, description="`rdserve calibrate --out` JSON (step costs by batch size and shape, tokens per step); "
-        "needed by spec_schedule 'auto'",
+        None, description="`rdserve calibrate --out` JSON (step costs by batch size and shape, tokens per step) "
+        "for spec_schedule 'auto' (and serve.pools' ingress); with spec_calibration_by_kernel, the one for paths "
+        "that have no entry there",
+    )
+    spec_calibration_by_kernel: dict[Annotated[str, AfterValidator(check_kernel_name)], Path] | None = Field(
+        None, description="spec_schedule 'auto': calibration JSONs by the compute path they were measured on "
+        "(workers.kernel_name); a replica reads its own path's, else spec_calibration, else decodes by its "
+        "path's spec_schedule_by_kernel table (else the configured shape at batch 1 only) and logs that "
+        "`rdserve calibrate` is missing. `rdserve calibrate --write` fills the entry of the path it ran on",
     )
 
     _resolve_calibration = field_validator("spec_calibration")(_resolve)
+
+    @field_validator("spec_calibration_by_kernel")
+    @classmethod
+    def _resolve_calibrations(cls, value: dict | None, info: ValidationInfo) -> dict | None:
+        return None if value is None else {k: _resolve(v, info) for k, v in value.items()}
+
+    def calibration_for(self, kernel: str) -> Path | None:
+        """The calibration JSON a replica on compute path ``kernel`` reads with spec_schedule 'auto':
+        ``spec_calibration_by_kernel[kernel]``, else ``spec_calibration`` (None: neither)."""
+        return (self.spec_calibration_by_kernel or {}).get(kernel, self.spec_calibration)
+
+    def calibration_files(self) -> dict[str, Path]:
+        """Every calibration file named, by the field naming it (for start checks and packaging)."""
+        files = {f"engine.spec_calibration_by_kernel.{k}": v for k, v in (self.spec_calibration_by_kernel or {}).items()}
+        if self.spec_calibration is not None:
+            files["engine.spec_calibration"] = self.spec_calibration
+        return files
     max_batch_size: int = Field(16, ge=1, description="requests decoded together (in-flight batching)")
     max_num_tokens: int = Field(2048, ge=16, description="tokens per iteration: context chunks + draft trees")
     max_prefill_chunk: int | None = Field(512, ge=1, description="context tokens of one request per iteration")
@@ -286,16 +310,22 @@ class RdserveConfig(_Section):
 
     @model_validator(mode="after")
     def _auto_needs_calibration(self):
-        if self.engine.spec_schedule == "auto":
-            if self.engine.spec_calibration is None:
+        eng = self.engine
+        if eng.spec_schedule == "auto":
+            if eng.spec_calibration is None and not eng.spec_calibration_by_kernel:
                 raise ValueError("engine.spec_calibration: spec_schedule 'auto' needs the calibration JSON "
-                                 "(`rdserve calibrate --out FILE`)")
+                                 "(`rdserve calibrate --out FILE`), or engine.spec_calibration_by_kernel")
             if self.drafter.path is None:
                 raise ValueError("engine.spec_schedule: 'auto' needs drafter.path (nothing to speculate with)")
-            if self.engine.spec_schedule_by_kernel:
-                raise ValueError("engine.spec_schedule_by_kernel: not used with spec_schedule 'auto' (the goodput "
-                                 "model reads engine.spec_calibration); remove one of them")
-        if self.engine.prefill_dtype == "bfloat16" and (self.engine.weights == "float32" or self.engine.tp_size > 1):
+            if eng.spec_schedule_by_kernel and eng.spec_calibration is not None:
+                raise ValueError("engine.spec_schedule_by_kernel: not used with spec_schedule 'auto' and "
+                                 "engine.spec_calibration (every compute path reads a calibration); remove one of "
+                                 "them, or key the calibrations by path (spec_calibration_by_kernel) so that the "
+                                 "tables serve the paths without one")
+        elif eng.spec_calibration_by_kernel:
+            raise ValueError("engine.spec_calibration_by_kernel: only read with spec_schedule 'auto' (the goodput "
+                             f"model); spec_schedule is {eng.spec_schedule!r}")
+        if eng.prefill_dtype == "bfloat16" and (eng.weights == "float32" or eng.tp_size > 1):
             raise ValueError("engine.prefill_dtype: 'bfloat16' is for GGUF-block weights (engine.weights gguf/auto, "
                              "tp_size 1); float32 weights prefill in float32")
         eng = self.engine
@@ -424,19 +454,20 @@ def check_startable(cfg: RdserveConfig, cuda_available: bool | None = None, cali
     if (eng.spec_schedule == "auto" or cfg.serve.pools is not None) and calibration:
         from cluster.goodput import StepCosts
 
-        try:
-            costs = StepCosts.load(eng.spec_calibration)
-        except ValueError as err:
-            raise ConfigError(f"engine.spec_calibration: {err}") from None
         lookup = eng.prompt_lookup_max_num_tokens or eng.prompt_lookup_num_tokens if eng.prompt_lookup_num_tokens else 0
-        too_big = [s for s in costs.shapes if 1 + s[0] * s[1] + lookup > eng.max_num_tokens or s[0] > 16 or s[1] > 16]
-        if too_big:
-            raise ConfigError(f"engine.spec_calibration: shape {too_big[0][0]}x{too_big[0][1]} in "
-                              f"{eng.spec_calibration} is larger than the engine allows (num_beams and "
-                              f"draft_len_per_beam at most 16, a tree with its prompt-lookup beam within engine.max_num_tokens "
-                              f"{eng.max_num_tokens})")
+        for field, path in eng.calibration_files().items():
+            try:
+                costs = StepCosts.load(path)
+            except ValueError as err:
+                raise ConfigError(f"{field}: {err}") from None
+            too_big = [s for s in costs.shapes if 1 + s[0] * s[1] + lookup > eng.max_num_tokens or s[0] > 16 or s[1] > 16]
+            if too_big:
+                raise ConfigError(f"{field}: shape {too_big[0][0]}x{too_big[0][1]} in "
+                                  f"{path} is larger than the engine allows (num_beams and "
+                                  f"draft_len_per_beam at most 16, a tree with its prompt-lookup beam within engine.max_num_tokens "
+                                  f"{eng.max_num_tokens})")
         shape = (eng.num_beams, eng.draft_len_per_beam)
-        if cfg.serve.pools is not None and shape not in costs.spec_s:
+        if cfg.serve.pools is not None and shape not in StepCosts.load(eng.spec_calibration).spec_s:
             raise ConfigError(f"engine.spec_calibration: serve.pools drafts {shape[0]}x{shape[1]} "
                               f"(engine.num_beams x draft_len_per_beam) but {eng.spec_calibration} has no step "
                               f"times for it; calibrate with --shapes including {shape[0]}x{shape[1]}")

@@ -15,7 +15,8 @@ def build_engine(cfg: RdserveConfig, tp_gpus: list[str] | None = None):
 
     ``engine.tp_size > 1`` runs the base model on that many MPI ranks (``workers.tp``); on CUDA,
     ``tp_gpus`` pins rank r to GPU ``tp_gpus[r]`` (``cluster.placement.placement_gpu_ids`` in a replica).
-    ``engine.spec_schedule: auto`` gives the engine the live goodput model (:func:`spec_controller`).
+    ``engine.spec_schedule: auto`` gives the engine the live goodput model (:func:`spec_controller`)
+    of the compute path it runs on.
 
     Returns a ``workers.engine.Engine``.
     """
@@ -38,17 +39,17 @@ def build_engine(cfg: RdserveConfig, tp_gpus: list[str] | None = None):
         prompt_lookup_max=eng.prompt_lookup_max, prompt_lookup_max_num_tokens=eng.prompt_lookup_max_num_tokens,
         num_threads=num_threads(cfg),
     )
-    factory = policy = None
+    factory = policy_for_kernel = None
     if eng.spec_schedule == "auto":
-        policy = spec_controller(cfg)
+        policy_for_kernel = lambda kernel: spec_controller(cfg, kernel)  # noqa: E731
     if eng.tp_size > 1:
         from workers.tp.executor import tp_executor_factory
 
         factory = tp_executor_factory(str(model_dir), eng.tp_size, options.num_threads, tp_gpus)
     engine = Engine(str(model_dir), str(drafter_dir) if drafter_dir else None, options, executor_factory=factory,
-                    spec_policy=policy, tp_size=eng.tp_size)
-    if eng.spec_schedule == "auto":
-        _warn_if_measured_elsewhere(eng.spec_calibration, engine.kernel)
+                    spec_policy_for_kernel=policy_for_kernel, tp_size=eng.tp_size)
+    if eng.spec_schedule == "auto" and eng.calibration_for(engine.kernel) is not None:
+        _warn_if_measured_elsewhere(eng.calibration_for(engine.kernel), engine.kernel)
     return engine
 
 
@@ -77,8 +78,10 @@ def num_threads(cfg: RdserveConfig) -> int:
     return max(1, (os.cpu_count() or 1) // replicas)
 
 
-def spec_controller(cfg: RdserveConfig):
-    """The live goodput model for ``engine.spec_schedule: auto`` (``cluster.spec_controller``).
+def spec_controller(cfg: RdserveConfig, kernel: str | None = None):
+    """The live goodput model for ``engine.spec_schedule: auto`` (``cluster.spec_controller``) on
+    compute path ``kernel`` (its ``engine.spec_calibration_by_kernel`` entry, else
+    ``engine.spec_calibration``); None when neither names a file for it.
 
     Raises:
         ValueError: the calibration file is unusable (named).
@@ -89,4 +92,7 @@ def spec_controller(cfg: RdserveConfig):
     auto = cfg.router.auto
     settings = ControllerSettings(margin=auto.margin, patience=auto.patience, ema_alpha=auto.ema_alpha,
                                   request_ema_alpha=auto.request_ema_alpha, probe_interval=auto.probe_interval)
-    return SpecController(StepCosts.load(cfg.engine.spec_calibration), settings)
+    path = cfg.engine.calibration_for(kernel) if kernel is not None else cfg.engine.spec_calibration
+    if path is None:
+        return None
+    return SpecController(StepCosts.load(path), settings)

@@ -97,7 +97,7 @@ class EngineReplica:
         self.async_engine = AsyncEngine(lambda: build_engine(cfg, gpus))  # built on the engine's own thread
         self.engine = self.async_engine.engine
         self.router = router_for_kernel(cfg.router, cfg.engine.spec_schedule_by_kernel, self.engine.kernel)
-        self.per_iteration = cfg.engine.spec_schedule == "auto"
+        self.per_iteration = self.engine.spec_schedule == "auto"  # a live policy (a path without calibration: its table)
         self.load = 0
         self.ttft = TtftWindow()
         self.replica_id = serve_replica_id()

@@ -140,13 +140,16 @@ class Engine:
     """
 
     def __init__(self, model_path: str, drafter_path: str | None, options: EngineOptions | None = None,
-                 executor_factory=None, spec_policy=None, **overrides):
+                 executor_factory=None, spec_policy=None, spec_policy_for_kernel=None, **overrides):
         """``overrides``: :class:`EngineOptions` fields replacing those of ``options``.
 
         ``executor_factory(model, num_slots)`` builds the executor (default :class:`LocalExecutor`;
         the tensor-parallel executor for ``tp_size > 1``). ``spec_policy``: a speculation policy
         with :class:`~workers.spec_schedule.TablePolicy`'s methods and ``shapes`` (needed when
-        ``spec_schedule`` is ``"auto"``).
+        ``spec_schedule`` is ``"auto"``). ``spec_policy_for_kernel(kernel)``: instead, the policy for
+        the compute path this engine turns out to run on (:attr:`kernel`, known once the weights are
+        loaded), or None where it has none: the path's ``spec_schedule_by_kernel`` table, else (with
+        ``spec_schedule`` ``"auto"``) the configured shape at batch 1 only, with a warning.
         """
         opts = replace(options or EngineOptions(), **overrides)
         if opts.dtype not in DTYPES:
@@ -187,13 +190,20 @@ class Engine:
                 from workers.redrafter.quantize import use_int8_activations_in_drafter
 
                 use_int8_activations_in_drafter(self.drafter)
+        if spec_policy is None and spec_policy_for_kernel is not None:
+            spec_policy = spec_policy_for_kernel(self.kernel)
         if spec_policy is not None:
             self.spec_policy = spec_policy
-        elif opts.spec_schedule == "auto":
-            raise ValueError("spec_schedule 'auto' needs a spec_policy (the goodput model; see cluster.local_engine)")
         elif self.kernel in (opts.spec_schedule_by_kernel or {}):
             self.spec_schedule = validate_schedule(opts.spec_schedule_by_kernel[self.kernel])
             log.info("speculation schedule of kernel %s (spec_schedule_by_kernel)", self.kernel)
+        elif opts.spec_schedule == "auto" and spec_policy_for_kernel is None:
+            raise ValueError("spec_schedule 'auto' needs a spec_policy (the goodput model; see cluster.local_engine)")
+        elif opts.spec_schedule == "auto":
+            self.spec_schedule = fixed_schedule((opts.num_beams, opts.draft_len_per_beam), 1)
+            log.warning("spec_schedule 'auto': no calibration and no spec_schedule_by_kernel table for compute path "
+                        "%s; speculating with %dx%d at batch 1 only. Run `rdserve calibrate` on this machine",
+                        self.kernel, opts.num_beams, opts.draft_len_per_beam)
         elif opts.spec_schedule is None:
             self.spec_schedule = fixed_schedule((opts.num_beams, opts.draft_len_per_beam), opts.max_batch_size)
         else:

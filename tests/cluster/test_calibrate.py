@@ -84,7 +84,7 @@ def test_calibrate_fills_the_entry_of_the_kernel_it_ran_on(tiny_config_path, tmp
 
 
 def test_writing_one_kernels_entry_keeps_the_others_and_their_comments(tmp_path):
-    from cluster.calibrate_cli import _write_kernel_schedule
+    from cluster.calibrate_cli import _write_kernel_entry, _yaml_rows
 
     text = """engine:
   spec_schedule_by_kernel:
@@ -103,7 +103,7 @@ router:
     rows = [{"max_batch_size": 4, "num_beams": 2, "draft_len_per_beam": 2}]
     for kernel, value in (("gguf-avx2", rows), ("float32-avx2", "off"), ("float32-torch", rows)):
         config.write_text(text)
-        _write_kernel_schedule(config, kernel, value, "new note")
+        _write_kernel_entry(config, "spec_schedule_by_kernel", kernel, _yaml_rows(value), "new note")
         written = config.read_text()
         for comment in ("# laptops", "# servers: keep", "# the router follows the schedule"):
             assert comment in written, (kernel, written)
@@ -113,3 +113,31 @@ router:
         assert [r.model_dump() for r in table["gguf-avx512-int8"]] == [
             {"max_batch_size": 2, "num_beams": 1, "draft_len_per_beam": 2}]
         assert load_config(config).router.spec_max_load == 2
+
+
+def test_calibrate_adds_the_calibration_of_the_kernel_it_ran_on(tiny_config_path):
+    """spec_schedule 'auto' with calibrations keyed by compute path: a path without an entry gets a
+    new file next to the config and its entry; a second run rewrites that file and leaves the config."""
+    import yaml
+
+    first = tiny_config_path.parent / "first.calibration.json"
+    data = yaml.safe_load(tiny_config_path.read_text())
+    data["engine"].update(spec_schedule="auto", spec_calibration_by_kernel={"gguf-avx512-int8": first.name})
+    config = tiny_config_path.parent / "calibrate_auto.yaml"
+    config.write_text(yaml.safe_dump(data))
+    args = ["calibrate", "-c", str(config), "--batch-sizes", "1", "--shapes", "1x2", "--repeats", "1",
+            "--max-tokens", "4", "--prompts-per-category", "1", "--context-len", "8"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    written = load_config(config)
+    kernel = next(k for k in written.engine.spec_calibration_by_kernel if k != "gguf-avx512-int8")
+    out = tiny_config_path.parent / f"calibrate_auto.calibration.{kernel}.json"
+    assert written.engine.spec_calibration_by_kernel == {"gguf-avx512-int8": first, kernel: out}
+    assert json.loads(out.read_text())["kernel"] == kernel
+    assert f"{kernel}: {out.name}" in config.read_text()  # relative to the config, as a user writes it
+    before = config.read_text()
+    out.write_text("{}")
+    again = CliRunner().invoke(app, args)
+    assert again.exit_code == 0, again.output
+    assert config.read_text() == before and f"engine.spec_calibration_by_kernel.{kernel}" in again.output
+    assert json.loads(out.read_text())["kernel"] == kernel

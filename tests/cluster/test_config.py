@@ -93,6 +93,12 @@ def test_relative_paths_resolve_against_the_config_directory(tmp_path):
          "engine.spec_schedule_by_kernel.gguf-avx2"),
         ("engine: {spec_schedule: auto, spec_calibration: c.json, spec_schedule_by_kernel: {gguf-avx2: off}}\n"
          "drafter: {path: d}", "engine.spec_schedule_by_kernel: not used with spec_schedule 'auto'"),
+        ("engine: {spec_schedule: auto, spec_calibration_by_kernel: {avx2: c.json}}\ndrafter: {path: d}",
+         r"engine.spec_calibration_by_kernel.avx2 \(key\): Value error, 'avx2' is not a kernel name"),
+        ("engine: {spec_calibration_by_kernel: {gguf-avx2: c.json}}",
+         "engine.spec_calibration_by_kernel: only read with spec_schedule 'auto'"),
+        ("engine: {spec_schedule: auto}\ndrafter: {path: d}",
+         "engine.spec_calibration: spec_schedule 'auto' needs the calibration JSON"),
         ("engine: {tp_size: 0}", "engine.tp_size"),
         ("router: {default_mode: fast}", "router.default_mode"),
         ("router: {spec_max_load: -1}", "router.spec_max_load"),
@@ -147,6 +153,30 @@ def test_unreadable_and_non_mapping_files(tmp_path):
 def test_check_startable_names_the_field(tmp_path, data, field):
     with pytest.raises(ConfigError, match=field):
         check_startable(parse_config(data, tmp_path), cuda_available=False)
+
+
+def test_calibrations_by_kernel_resolve_and_fall_back(tmp_path):
+    """Keyed calibrations resolve against the config's directory; a path without an entry reads
+    spec_calibration; with keyed calibrations and no spec_calibration, tables serve the other paths."""
+    cfg = load_config(write(tmp_path, "engine: {spec_schedule: auto, spec_calibration: all.json, "
+                            "spec_calibration_by_kernel: {gguf-avx2-int8: ../a.json}}\ndrafter: {path: d}\n"))
+    assert cfg.engine.calibration_for("gguf-avx2-int8") == tmp_path.parent / "a.json"
+    assert cfg.engine.calibration_for("cuda") == tmp_path / "all.json"
+    assert set(cfg.engine.calibration_files()) == {"engine.spec_calibration",
+                                                   "engine.spec_calibration_by_kernel.gguf-avx2-int8"}
+    cfg = load_config(write(tmp_path, "engine: {spec_schedule: auto, spec_calibration_by_kernel: {gguf-avx2-int8: "
+                            "a.json}, spec_schedule_by_kernel: {gguf-avx2: off}}\ndrafter: {path: d}\n"))
+    assert cfg.engine.calibration_for("gguf-avx2") is None
+
+
+def test_check_startable_reads_every_keyed_calibration(tmp_path):
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "config.json").write_text("{}")
+    (tmp_path / "bad.json").write_text("{}")
+    cfg = parse_config({"drafter": {"path": "d"}, "engine": {"spec_schedule": "auto", "spec_calibration_by_kernel": {
+        "gguf-avx2-int8": str(REPO / "configs" / "local.calibration.avx2-int8.json"), "cuda": "bad.json"}}}, tmp_path)
+    with pytest.raises(ConfigError, match="engine.spec_calibration_by_kernel.cuda: .*bad.json: not a usable calibration"):
+        check_startable(cfg, cuda_available=False)
 
 
 def test_check_startable_accepts_the_defaults(tmp_path):

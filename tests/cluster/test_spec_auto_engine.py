@@ -98,3 +98,38 @@ def test_per_request_gating_keeps_outputs(tiny_model_dirs, trained_drafter_dirs,
     controller.drafts = drafts
     assert decode_all(engine, ids, "spec") == plain
     assert gated.count(False) > gated.count(True) > 0  # mostly plain, with probes
+
+
+def _calibration(path, kernel: str, spec_at_1: float):
+    """A calibration JSON (``rdserve calibrate``'s form) for the tiny engine's 2x3 shape."""
+    import json
+
+    path.write_text(json.dumps({"kernel": kernel, "plain_step_s": {"1": 0.010, "8": 0.040},
+                                "spec_step_s": {"1:2x3": spec_at_1, "8:2x3": 0.090}, "tokens_per_step": {"2x3": 2.0}}))
+    return path
+
+
+def test_each_compute_path_reads_its_own_calibration(tiny_config, tmp_path):
+    """engine.spec_calibration_by_kernel: the replica's path entry drives the goodput model; a path
+    without one decodes by its spec_schedule_by_kernel table, else the configured shape at batch 1 only."""
+    from cluster.local_engine import build_engine
+
+    plain_cfg = tiny_config.model_copy(update={"engine": tiny_config.engine.model_copy(update={"spec_schedule": "off"})})
+    kernel = build_engine(plain_cfg).kernel
+
+    def engine_with(**update):
+        eng = tiny_config.engine.model_copy(update={"spec_schedule": "auto", **update})
+        return build_engine(tiny_config.model_copy(update={"engine": eng}))
+
+    mine = _calibration(tmp_path / "mine.json", kernel, 0.012)
+    other = _calibration(tmp_path / "other.json", "cuda", 0.500)
+    engine = engine_with(spec_calibration_by_kernel={kernel: mine, "cuda": other})
+    assert engine.spec_schedule == "auto" and engine.spec_policy.costs.spec_s[(2, 3)][1] == 0.012
+    assert engine.spec_policy.shape_for(1) == (2, 3)  # this path's costs: the tree pays alone
+    engine = engine_with(spec_calibration_by_kernel={"cuda": other}, spec_calibration=mine)
+    assert engine.spec_policy.costs.spec_s[(2, 3)][1] == 0.012  # no entry for this path: spec_calibration
+    table = [{"max_batch_size": 3, "num_beams": 1, "draft_len_per_beam": 2}]
+    engine = engine_with(spec_calibration_by_kernel={"cuda": other}, spec_schedule_by_kernel={kernel: table})
+    assert [r.model_dump() for r in engine.spec_schedule] == table  # then its table
+    engine = engine_with(spec_calibration_by_kernel={"cuda": other})
+    assert [r.model_dump() for r in engine.spec_schedule] == [{"max_batch_size": 1, "num_beams": 2, "draft_len_per_beam": 3}]
