@@ -42,7 +42,8 @@ POLICIES = ("spec", "plain", "table", "auto")
 
 def policy_config(cfg, policy: str, calibration: Path):
     """The config for one policy (a copy; every path is already absolute)."""
-    eng, router = cfg.engine.model_copy(update={"spec_schedule_by_kernel": None}), cfg.router  # what is named
+    eng = cfg.engine.model_copy(update={"spec_schedule_by_kernel": None, "spec_calibration_by_kernel": None})
+    router = cfg.router  # each policy below is what it names, whatever the config keys by compute path
     if policy == "spec":
         eng = eng.model_copy(update={"spec_schedule": None})
         router = router.model_copy(update={"default_mode": "spec"})
