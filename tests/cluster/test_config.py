@@ -57,6 +57,17 @@ def test_every_preset_is_startable(preset):
     assert cfg.drafter.path is None or (cfg.drafter.path / "config.json").is_file()
 
 
+@pytest.mark.parametrize("preset", sorted(p.name for p in (REPO / "configs").glob("*.yaml")))
+def test_keyed_calibrations_were_measured_on_their_key(preset):
+    """A preset's spec_calibration_by_kernel entry names a file `rdserve calibrate` wrote on that
+    compute path (its "kernel" field), so a replica never reads another path's step costs."""
+    import json
+
+    by_kernel = load_config(REPO / "configs" / preset).engine.spec_calibration_by_kernel or {}
+    for kernel, path in by_kernel.items():
+        assert json.loads(path.read_text())["kernel"] == kernel, (preset, path)
+
+
 def test_relative_paths_resolve_against_the_config_directory(tmp_path):
     cfg = load_config(write(tmp_path, "model: {path: m}\ndrafter: {path: ../d}\n"))
     assert cfg.model.path == tmp_path / "m"
