@@ -11,7 +11,8 @@ Keys (all numbers; times in seconds):
   replica holds (admitted by Serve, tokenizing, running or waiting).
 - ``free_kv_blocks``, ``num_kv_blocks``, ``tokens_per_block``, ``kv_usage`` (0-1).
 - ``max_batch_size``: the engine's in-flight batch limit.
-- ``step_s``: recent mean seconds per engine iteration (exponential moving average), 0 before any.
+- ``step_s``: recent mean seconds per generation-only engine iteration (exponential moving average;
+  iterations that prefill a prompt chunk are left out), 0 before any.
 - ``tau``: live tokens per step of the speculation in use (a moving average over drafted steps);
   None before the first drafted step or without a drafter.
 - ``shape``: the draft-tree shape in use, ``"BxD"``, or ``"plain"``.

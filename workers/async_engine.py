@@ -55,7 +55,9 @@ class AsyncEngine:
         self._ids = itertools.count()
         self._stopped = False
         self.failure: EngineFailure | None = None  # set when the engine thread died; then nothing runs
-        self.step_s = 0.0  # moving average of seconds per iteration (weight 0.1), for routing stats
+        self.step_s = 0.0  # moving average of seconds per generation-only iteration (weight 0.1), for routing
+        # stats: an iteration that also prefills a prompt chunk costs many decode steps and would make a replica
+        # that just admitted a request look several times slower than its peers
         built: Future = Future()
         self._thread = threading.Thread(target=self._run, args=(build, built), name="engine", daemon=True)
         self._thread.start()
@@ -212,7 +214,8 @@ class AsyncEngine:
                 t0 = time.perf_counter()
                 deltas = self.engine.step()
                 dt = time.perf_counter() - t0
-                self.step_s = dt if not self.step_s else 0.9 * self.step_s + 0.1 * dt
+                if deltas and not self.engine.last_context_requests:
+                    self.step_s = dt if not self.step_s else 0.9 * self.step_s + 0.1 * dt
             except Exception as err:
                 log.exception("engine iteration failed")
                 self._fail_all(EngineFailure(f"engine error: {type(err).__name__}: {err}"))

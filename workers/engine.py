@@ -221,6 +221,7 @@ class Engine:
             self.blocks,
         )
         self.stats: EngineStats | None = None  # counts for metrics when set (cluster.observability)
+        self.last_context_requests = 0  # requests with a prompt chunk in the last iteration
         self.eos_token_ids = set(cfg.eos_token_id)
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
@@ -355,6 +356,7 @@ class Engine:
         """Run one iteration; returns a delta for each request that emitted tokens (or finished)."""
         t0, stats = time.perf_counter(), self.stats
         plan = self.scheduler.schedule(self.spec_policy)
+        self.last_context_requests = len(plan.context)  # prompt chunks in this iteration (step-time stats)
         if not plan.context and not plan.generation:
             return []
         if stats:

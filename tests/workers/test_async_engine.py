@@ -125,3 +125,33 @@ def test_a_dead_engine_thread_fails_requests_in_flight_and_later_ones_at_once(ti
     assert first.completion_tokens >= 1 and isinstance(fatal.exception(timeout=10), SystemExit)
     engine._thread.join(10)
     assert not engine.alive and engine.failure is not None
+
+
+def test_step_time_stat_leaves_prefill_iterations_out(tiny_model_dirs, monkeypatch):
+    """``step_s`` (routing stats' step cost) averages generation-only iterations: a slow prompt
+    chunk (here made 0.3 s) must not make the replica look slow for the steps after it."""
+    import asyncio
+    import time
+
+    from workers.async_engine import AsyncEngine
+    from workers.engine import Engine
+    from workers.sampling import SamplingParams
+
+    engine = AsyncEngine(lambda: Engine(str(tiny_model_dirs["tied_gqa2"]), None, num_threads=1, max_seq_len=256,
+                                        num_kv_blocks=64, tokens_per_block=4))
+    real_run = engine.engine.runner.run
+
+    def slow_prefill(context, generation, shape, limits):
+        if context:
+            time.sleep(0.3)
+        return real_run(context, generation, shape, limits)
+
+    monkeypatch.setattr(engine.engine.runner, "run", slow_prefill)
+
+    async def main():
+        return [d async for d in engine.generate([5, 6, 7], SamplingParams(max_tokens=6, ignore_eos=True), "plain")]
+
+    out = asyncio.run(asyncio.wait_for(main(), 60))
+    engine.shutdown()
+    assert out[-1].completion_tokens == 6  # one prefill iteration, then five generation steps were timed
+    assert 0 < engine.step_s < 0.1, engine.step_s
