@@ -97,6 +97,7 @@ def calibrate(
     auto = cfg.engine.spec_schedule == "auto"
     by_kernel = cfg.engine.spec_schedule_by_kernel is not None
     calibrations = cfg.engine.spec_calibration_by_kernel if auto else None  # keyed by path: entry found later
+    cfg_auto_files = (calibrations, cfg.engine.spec_calibration)
     if out is None and calibrations is None:
         out = cfg.engine.spec_calibration if auto else Path("calibration.json")
     if cfg.drafter.path is None:
@@ -110,6 +111,9 @@ def calibrate(
     new_entry = calibrations is not None and engine.kernel not in calibrations
     if out is None:
         out = calibrations.get(engine.kernel) or config.resolve().parent / f"{config.stem}.calibration.{engine.kernel}.json"
+    if not out.parent.is_dir():  # before minutes of measuring, not after
+        err_console.print(f"cannot write {out}: directory {out.parent} does not exist")
+        raise typer.Exit(2)
     all_ids = _prompts(engine, prompts, prompts_per_category)
     prompt_ids = [ids for ids in all_ids if len(ids) + max_tokens <= engine.max_seq_len]
     if len(prompt_ids) < len(all_ids):
@@ -151,10 +155,7 @@ def calibrate(
         console.print(f"engine.spec_calibration_by_kernel.{engine.kernel} written to {config}: replicas on this "
                       "path read it at start (the goodput model)")
     elif auto:
-        field = "engine.spec_calibration" if calibrations is None else \
-            f"engine.spec_calibration_by_kernel.{engine.kernel}"
-        console.print("engine.spec_schedule is 'auto': the goodput model reads the step costs and tokens per step "
-                      f"from {out} at start ({field}); the config is left as it is")
+        _report_auto_file(cfg_auto_files, engine.kernel, out, config)
     elif write and by_kernel:
         _write_kernel_entry(config, "spec_schedule_by_kernel", engine.kernel, _yaml_rows(rows),
                             f"`rdserve calibrate` ({out.name}): batch sizes {batch_sizes}, shapes {shapes}")
@@ -163,6 +164,23 @@ def calibrate(
         _write_schedule(config, rows, f"derived by `rdserve calibrate` ({out.name}): batch sizes {batch_sizes}, "
                                       f"shapes {shapes}")
         console.print(f"engine.spec_schedule and router.spec_max_load written to {config}")
+
+
+def _report_auto_file(files: tuple, kernel: str, out: Path, config: Path) -> None:
+    """Say whether replicas on ``kernel`` will read ``out`` (spec_schedule 'auto', config unchanged):
+    ``files`` is (spec_calibration_by_kernel or None, spec_calibration)."""
+    by_kernel, single = files
+    field, read = (f"engine.spec_calibration_by_kernel.{kernel}", by_kernel[kernel]) if kernel in (by_kernel or {}) \
+        else ("engine.spec_calibration", single)
+    if read is not None and read.resolve() == out.resolve():
+        console.print("engine.spec_schedule is 'auto': the goodput model reads the step costs and tokens per step "
+                      f"from {out} at start ({field}); the config is left as it is")
+    elif by_kernel is not None and read is None:
+        console.print(f"[bold]not read at start[/]: the config has no engine.spec_calibration_by_kernel.{kernel} "
+                      f"entry (run again with --write, or add `{kernel}: {_config_relative(out, config)}` there)")
+    else:
+        console.print(f"[bold]not read at start[/]: replicas on {kernel} read {field} ({read}); the config is left "
+                      "as it is")
 
 
 def spec_max_load(rows) -> int:

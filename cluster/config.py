@@ -11,6 +11,7 @@ machine (paths exist, backend/device/tp_size supported) and is called by ``rdser
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -317,6 +318,10 @@ class RdserveConfig(_Section):
                                  "(`rdserve calibrate --out FILE`), or engine.spec_calibration_by_kernel")
             if self.drafter.path is None:
                 raise ValueError("engine.spec_schedule: 'auto' needs drafter.path (nothing to speculate with)")
+            both = sorted(set(eng.spec_schedule_by_kernel or {}) & set(eng.spec_calibration_by_kernel or {}))
+            if both:
+                raise ValueError(f"engine.spec_schedule_by_kernel.{both[0]}: not used with spec_schedule 'auto', "
+                                 f"which reads engine.spec_calibration_by_kernel.{both[0]} on that path; remove one")
             if eng.spec_schedule_by_kernel and eng.spec_calibration is not None:
                 raise ValueError("engine.spec_schedule_by_kernel: not used with spec_schedule 'auto' and "
                                  "engine.spec_calibration (every compute path reads a calibration); remove one of "
@@ -460,6 +465,12 @@ def check_startable(cfg: RdserveConfig, cuda_available: bool | None = None, cali
                 costs = StepCosts.load(path)
             except ValueError as err:
                 raise ConfigError(f"{field}: {err}") from None
+            key = field.rpartition(".")[2] if field.startswith("engine.spec_calibration_by_kernel.") else None
+            measured = json.loads(path.read_text()).get("kernel")
+            if key is not None and measured is not None and measured != key:
+                raise ConfigError(f"{field}: {path} was measured on compute path {measured}, not {key} (its "
+                                  "step costs belong to that path); file it under its own path or re-run "
+                                  "`rdserve calibrate` on a machine of this one")
             too_big = [s for s in costs.shapes if 1 + s[0] * s[1] + lookup > eng.max_num_tokens or s[0] > 16 or s[1] > 16]
             if too_big:
                 raise ConfigError(f"{field}: shape {too_big[0][0]}x{too_big[0][1]} in "

@@ -49,11 +49,13 @@ def build_engine(cfg: RdserveConfig, tp_gpus: list[str] | None = None):
     engine = Engine(str(model_dir), str(drafter_dir) if drafter_dir else None, options, executor_factory=factory,
                     spec_policy_for_kernel=policy_for_kernel, tp_size=eng.tp_size)
     if eng.spec_schedule == "auto" and eng.calibration_for(engine.kernel) is not None:
-        _warn_if_measured_elsewhere(eng.calibration_for(engine.kernel), engine.kernel)
+        field = f"engine.spec_calibration_by_kernel.{engine.kernel}" if engine.kernel in (
+            eng.spec_calibration_by_kernel or {}) else "engine.spec_calibration"
+        _warn_if_measured_elsewhere(eng.calibration_for(engine.kernel), engine.kernel, field)
     return engine
 
 
-def _warn_if_measured_elsewhere(calibration, kernel: str) -> None:
+def _warn_if_measured_elsewhere(calibration, kernel: str, field: str = "engine.spec_calibration") -> None:
     """Log a warning when the calibration file says it was measured on another compute path (its
     step costs, and so the goodput model's choices, then belong to that path)."""
     import json
@@ -65,8 +67,8 @@ def _warn_if_measured_elsewhere(calibration, kernel: str) -> None:
         return  # unreadable files are reported by StepCosts.load
     if measured is not None and measured != kernel:
         logging.getLogger(__name__).warning(
-            "engine.spec_calibration %s was measured on kernel %s, this engine runs on %s: its step costs may not "
-            "hold here; run `rdserve calibrate` on this machine", calibration, measured, kernel)
+            "%s %s was measured on kernel %s, this engine runs on %s: its step costs may not "
+            "hold here; run `rdserve calibrate` on this machine", field, calibration, measured, kernel)
 
 
 def num_threads(cfg: RdserveConfig) -> int:

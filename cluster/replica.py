@@ -28,6 +28,7 @@ from cluster.router import choose_mode, router_for_kernel
 from workers.async_engine import AsyncEngine, EngineFailure
 from workers.engine import GenerationDelta
 from workers.sampling import SamplingParams
+from workers.spec_schedule import largest_speculating_batch
 
 log = logging.getLogger("ray.serve")
 
@@ -98,6 +99,10 @@ class EngineReplica:
         self.engine = self.async_engine.engine
         self.router = router_for_kernel(cfg.router, cfg.engine.spec_schedule_by_kernel, self.engine.kernel)
         self.per_iteration = self.engine.spec_schedule == "auto"  # a live policy (a path without calibration: its table)
+        if cfg.engine.spec_schedule == "auto" and not self.per_iteration:  # no calibration for this path: the
+            # table the engine fell back to decides, and requests are admitted as speculative up to its reach
+            self.router = self.router.model_copy(
+                update={"spec_max_load": largest_speculating_batch(self.engine.spec_schedule)})
         self.load = 0
         self.ttft = TtftWindow()
         self.replica_id = serve_replica_id()
@@ -134,7 +139,8 @@ class EngineReplica:
         cache's size and free blocks."""
         kv, blocks = self.engine.kv_size, self.engine.blocks
         return {"load": self.load, "speculative_available": self.engine.speculative_available,
-                "kernel": self.engine.kernel, "spec_max_load": self.router.spec_max_load,
+                "kernel": self.engine.kernel, "spec_schedule": _schedule_text(self.engine),
+                "spec_max_load": self.router.spec_max_load,
                 "kv_cache": {"blocks": kv.num_blocks, "tokens_per_block": kv.block_size, "tokens": kv.num_tokens,
                              "mib": round(kv.mib, 1), "free_blocks": blocks.num_free_blocks},
                 **({"failure": str(failure)} if (failure := self.engine.executor.failure or self.async_engine.failure)

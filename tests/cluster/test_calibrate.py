@@ -135,9 +135,26 @@ def test_calibrate_adds_the_calibration_of_the_kernel_it_ran_on(tiny_config_path
     assert written.engine.spec_calibration_by_kernel == {"gguf-avx512-int8": first, kernel: out}
     assert json.loads(out.read_text())["kernel"] == kernel
     assert f"{kernel}: {out.name}" in config.read_text()  # relative to the config, as a user writes it
+    elsewhere = CliRunner().invoke(app, [*args, "--out", str(config.parent / "missing-dir" / "x.json")])
+    assert elsewhere.exit_code == 2 and "does not exist" in elsewhere.output  # before any measuring
     before = config.read_text()
     out.write_text("{}")
     again = CliRunner().invoke(app, args)
     assert again.exit_code == 0, again.output
     assert config.read_text() == before and f"engine.spec_calibration_by_kernel.{kernel}" in again.output
     assert json.loads(out.read_text())["kernel"] == kernel
+
+
+def test_calibrate_without_write_says_a_new_path_is_not_read(tiny_config_path):
+    import yaml
+
+    data = yaml.safe_load(tiny_config_path.read_text())
+    data["engine"].update(spec_schedule="auto", spec_calibration_by_kernel={"cuda": "cuda.json"})
+    config = tiny_config_path.parent / "calibrate_nowrite.yaml"
+    config.write_text(yaml.safe_dump(data))
+    result = CliRunner().invoke(app, ["calibrate", "-c", str(config), "--batch-sizes", "1", "--shapes", "1x2",
+                                      "--repeats", "1", "--max-tokens", "4", "--prompts-per-category", "1",
+                                      "--context-len", "8", "--no-write"])
+    assert result.exit_code == 0, result.output
+    assert "not read at start" in result.output and "no engine.spec_calibration_by_kernel." in " ".join(result.output.split())
+    assert load_config(config).engine.spec_calibration_by_kernel == {"cuda": config.parent / "cuda.json"}

@@ -110,6 +110,9 @@ def test_relative_paths_resolve_against_the_config_directory(tmp_path):
          "engine.spec_calibration_by_kernel: only read with spec_schedule 'auto'"),
         ("engine: {spec_schedule: auto}\ndrafter: {path: d}",
          "engine.spec_calibration: spec_schedule 'auto' needs the calibration JSON"),
+        ("engine: {spec_schedule: auto, spec_calibration_by_kernel: {gguf-avx2: c.json}, "
+         "spec_schedule_by_kernel: {gguf-avx2: off}}\ndrafter: {path: d}",
+         "engine.spec_schedule_by_kernel.gguf-avx2: not used with spec_schedule 'auto'"),
         ("engine: {tp_size: 0}", "engine.tp_size"),
         ("router: {default_mode: fast}", "router.default_mode"),
         ("router: {spec_max_load: -1}", "router.spec_max_load"),
@@ -187,6 +190,11 @@ def test_check_startable_reads_every_keyed_calibration(tmp_path):
     cfg = parse_config({"drafter": {"path": "d"}, "engine": {"spec_schedule": "auto", "spec_calibration_by_kernel": {
         "gguf-avx2-int8": str(REPO / "configs" / "local.calibration.avx2-int8.json"), "cuda": "bad.json"}}}, tmp_path)
     with pytest.raises(ConfigError, match="engine.spec_calibration_by_kernel.cuda: .*bad.json: not a usable calibration"):
+        check_startable(cfg, cuda_available=False)
+    cfg = parse_config({"drafter": {"path": "d"}, "engine": {"spec_schedule": "auto", "spec_calibration_by_kernel": {
+        "gguf-avx2": str(REPO / "configs" / "local.calibration.avx2-int8.json")}}}, tmp_path)
+    with pytest.raises(ConfigError, match="engine.spec_calibration_by_kernel.gguf-avx2: .* was measured on compute "
+                                          "path gguf-avx2-int8, not gguf-avx2"):
         check_startable(cfg, cuda_available=False)
 
 

@@ -88,3 +88,25 @@ def test_closing_the_stream_aborts_the_request_and_frees_its_blocks(replica):
     wait_until_idle(replica)
     assert all_blocks_free(replica)
     assert replica.load == 0
+
+
+def test_a_path_without_calibration_admits_spec_as_far_as_its_fallback_drafts(tiny_config, tmp_path):
+    """spec_schedule auto, but no calibration for this replica's compute path: the engine drafts at
+    batch 1 only, and the router's threshold (responses' mode, /health) follows that, not the
+    config's spec_max_load."""
+    import json
+
+    from cluster.replica import EngineReplica
+
+    other = tmp_path / "cuda.json"
+    other.write_text(json.dumps({"kernel": "cuda", "plain_step_s": {"1": 0.01}, "spec_step_s": {"1:2x3": 0.012},
+                                 "tokens_per_step": {"2x3": 2.0}}))
+    eng = tiny_config.engine.model_copy(update={"spec_schedule": "auto", "spec_calibration_by_kernel": {"cuda": other}})
+    router = tiny_config.router.model_copy(update={"spec_max_load": 5})
+    replica = EngineReplica.func_or_class(tiny_config.model_copy(update={"engine": eng, "router": router}))
+    try:
+        assert not replica.per_iteration and replica.router.spec_max_load == 1
+        stats = replica.stats()
+        assert stats["spec_max_load"] == 1 and stats["spec_schedule"] == "2x3<=1, off above"
+    finally:
+        replica.async_engine.shutdown()
