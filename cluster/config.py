@@ -460,12 +460,14 @@ def check_startable(cfg: RdserveConfig, cuda_available: bool | None = None, cali
         from cluster.goodput import StepCosts
 
         lookup = eng.prompt_lookup_max_num_tokens or eng.prompt_lookup_num_tokens if eng.prompt_lookup_num_tokens else 0
+        keys = {f"engine.spec_calibration_by_kernel.{k}": k for k in eng.spec_calibration_by_kernel or {}}
+        loaded = {}
         for field, path in eng.calibration_files().items():
             try:
-                costs = StepCosts.load(path)
+                costs = loaded[field] = StepCosts.load(path)
             except ValueError as err:
                 raise ConfigError(f"{field}: {err}") from None
-            key = field.rpartition(".")[2] if field.startswith("engine.spec_calibration_by_kernel.") else None
+            key = keys.get(field)
             measured = json.loads(path.read_text()).get("kernel")
             if key is not None and measured is not None and measured != key:
                 raise ConfigError(f"{field}: {path} was measured on compute path {measured}, not {key} (its "
@@ -478,7 +480,7 @@ def check_startable(cfg: RdserveConfig, cuda_available: bool | None = None, cali
                                   f"draft_len_per_beam at most 16, a tree with its prompt-lookup beam within engine.max_num_tokens "
                                   f"{eng.max_num_tokens})")
         shape = (eng.num_beams, eng.draft_len_per_beam)
-        if cfg.serve.pools is not None and shape not in StepCosts.load(eng.spec_calibration).spec_s:
+        if cfg.serve.pools is not None and shape not in loaded["engine.spec_calibration"].spec_s:
             raise ConfigError(f"engine.spec_calibration: serve.pools drafts {shape[0]}x{shape[1]} "
                               f"(engine.num_beams x draft_len_per_beam) but {eng.spec_calibration} has no step "
                               f"times for it; calibrate with --shapes including {shape[0]}x{shape[1]}")
