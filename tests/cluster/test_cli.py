@@ -81,7 +81,9 @@ def test_generate_needs_exactly_one_prompt_source(tiny_config_path):
                                           (["--soft-weight", "2"], "--soft-weight"),
                                           (["--soft-weight", "-1"], "--soft-weight"),
                                           (["--head-type", "bogus"], "--head-type"), (["--steps", "0"], "--steps"),
-                                          (["--lr", "0"], "--lr"), (["--num-beams", "0"], "--num-beams")])
+                                          (["--lr", "0"], "--lr"), (["--num-beams", "0"], "--num-beams"),
+                                          (["--gen-with", "gpu"], "--gen-with"),
+                                          (["--also-train-on", "/nonexistent-shards"], "--also-train-on")])
 def test_drafter_train_rejects_bad_options_before_any_work(tmp_path, args, option):
     result = runner.invoke(app, ["drafter", "train", "--out", str(tmp_path / "d"), *args])
     assert result.exit_code == 2 and option in result.output
@@ -100,6 +102,11 @@ def test_drafter_data_dir_refuses_other_generation_settings(tmp_path):
     assert err.value.param_hint == "--max-new-tokens"
     with pytest.raises(typer.BadParameter, match="gen_dtype='bfloat16'"):
         _check_data_settings(tmp_path, {**settings, "gen_dtype": "float32"})
+    # data recorded before --gen-with existed came from the PyTorch model: engine data may not join it
+    with pytest.raises(typer.BadParameter, match="gen_with='model'") as err:
+        _check_data_settings(tmp_path, {**settings, "gen_with": "engine:gguf-avx2-int8"})
+    assert err.value.param_hint == "--gen-with"
+    _check_data_settings(tmp_path, {**settings, "gen_with": "model"})
 
 
 @pytest.mark.parametrize("keys", [None, ["sk-test-0123456789"]])

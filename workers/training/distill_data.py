@@ -71,7 +71,7 @@ def generate_batch(
 
 
 def generate_dataset(
-    model: LlamaForCausalLM,
+    model,
     prompts: list[dict],
     out_dir: Path,
     max_new_tokens: int,
@@ -80,7 +80,12 @@ def generate_dataset(
     chunk_size: int = 960,
 ) -> None:
     """Write shard files ``[{"prompt_ids", "response_ids", "hiddens", "category"}, ...]``; skips
-    shards that already exist (resume)."""
+    shards that already exist (resume).
+
+    ``model``: a :class:`LlamaForCausalLM` (:func:`generate_batch`) or a serving
+    :class:`workers.engine.Engine` (:func:`workers.training.engine_data.generate_batch_engine`, which
+    stops at the engine's own EOS ids).
+    """
     out_dir.mkdir(parents=True, exist_ok=True)
     jobs = []
     for c, start in enumerate(range(0, len(prompts), chunk_size)):
@@ -92,7 +97,13 @@ def generate_dataset(
         shard = out_dir / f"shard-{c:03d}-{n:05d}.pt"
         if shard.exists():
             continue
-        results = generate_batch(model, [prompts[i]["prompt_ids"] for i in batch], max_new_tokens, eos_ids)
+        batch_ids = [prompts[i]["prompt_ids"] for i in batch]
+        if isinstance(model, LlamaForCausalLM):
+            results = generate_batch(model, batch_ids, max_new_tokens, eos_ids)
+        else:
+            from workers.training.engine_data import generate_batch_engine
+
+            results = generate_batch_engine(model, batch_ids, max_new_tokens)
         records = [
             {
                 "prompt_ids": prompts[i]["prompt_ids"],

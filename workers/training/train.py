@@ -49,15 +49,19 @@ class TrainExamples:
         return self.hiddens[self.ctx_idx]
 
 
-def load_examples(shard_dir: Path, draft_len: int) -> TrainExamples:
-    """All response positions of all shards in ``shard_dir`` and its subdirectories.
+def load_examples(shard_dir: Path | list[Path], draft_len: int) -> TrainExamples:
+    """All response positions of all shards in ``shard_dir`` (or each of a list of directories)
+    and their subdirectories.
 
     Raises:
-        FileNotFoundError: when the directory holds no shard.
+        FileNotFoundError: when a directory holds no shard.
     """
-    shards = sorted(shard_dir.rglob("shard-*.pt"))
-    if not shards:
-        raise FileNotFoundError(f"no shard-*.pt files in {shard_dir}")
+    shards = []
+    for d in shard_dir if isinstance(shard_dir, list) else [shard_dir]:
+        found = sorted(Path(d).rglob("shard-*.pt"))
+        if not found:
+            raise FileNotFoundError(f"no shard-*.pt files in {d}")
+        shards += found
     hiddens, ctx_idx, windows, prompt_idx, cats = [], [], [], [], []
     offset, n_rec = 0, 0
     for shard in tqdm(shards, desc="loading shards", unit="shard"):
