@@ -74,7 +74,7 @@ def train(
     also_train_on: Optional[list[Path]] = typer.Option(None, help="More shard directories to train on as well (data generated before, e.g. with other settings); repeatable."),
     extra_prompts: int = typer.Option(0, help="Also generate data for up to N training prompts from rdserve's extra built-in sources (more chat instructions, template math word problems, Python standard-library functions), into DATA/extra.", min=0),
     steps: int = typer.Option(3000, help="Optimizer steps.", min=1),
-    init_from: Optional[Path] = typer.Option(None, help="Start from this drafter's weights (same architecture; fine-tuning). The draft vocabulary is still chosen from the new data."),
+    init_from: Optional[Path] = typer.Option(None, help="Start from this drafter's weights (same architecture, or fewer residual blocks: the extra ones start as the identity; fine-tuning). The draft vocabulary is still chosen from the new data."),
     batch_size: int = typer.Option(128, help="Training examples per step.", min=1),
     lr: float = typer.Option(1e-3, help="Peak AdamW learning rate (cosine decay)."),
     num_draft_layers: int = typer.Option(2, help="Residual blocks in the draft head.", min=0),
@@ -188,7 +188,7 @@ def _check_init_from(path: Path, head_type: str, num_draft_layers: int) -> None:
     theirs = {"head_type": raw.get("head_type", "full"), "num_draft_layers": raw.get("num_draft_layers")}
     mine = {"head_type": head_type, "num_draft_layers": num_draft_layers}
     for key in mine:
-        if theirs[key] != mine[key]:
+        if theirs[key] != mine[key] and not (key == "num_draft_layers" and (theirs[key] or 0) < mine[key]):
             raise typer.BadParameter(f"{path} has {key} {theirs[key]}, this training {mine[key]} "
                                      f"(pass --{key.replace('_', '-')} {theirs[key]})", param_hint="--init-from")
 

@@ -261,18 +261,30 @@ def default_autocast_dtype() -> torch.dtype:
 def _load_initial_weights(drafter: ReDrafter, path: Path, base_lm_head: torch.Tensor) -> None:
     """Copy the trainable weights of the drafter saved at ``path`` into ``drafter``.
 
+    A saved head with fewer residual blocks grows: its blocks come first and each extra block
+    starts with zero weights and bias, so ``x + SiLU(0 x + 0) = x`` and training starts from the
+    saved head's exact predictions (a capacity lever measured at equal data and steps).
+
     Raises:
-        ValueError: another head type, hidden size or number of residual blocks (names it).
+        ValueError: another head type, hidden size or vocabulary, or more residual blocks (names it).
     """
     from workers.redrafter.drafter import load_drafter
 
     init = load_drafter(path, base_lm_head)
     for field in ("hidden_size", "num_draft_layers", "head_type", "vocab_size"):
         mine, theirs = getattr(drafter.config, field), getattr(init.config, field)
-        if mine != theirs:
+        if mine != theirs and not (field == "num_draft_layers" and theirs < mine):
             raise ValueError(f"--init-from {path}: {field} is {theirs}, the drafter being trained has {mine}")
     params = dict(drafter.named_parameters())
-    wanted = {k: v for k, v in init.state_dict().items() if k in params and v.shape == params[k].shape}
+    n_init, n_mine = init.config.num_draft_layers, drafter.config.num_draft_layers
+    state = init.state_dict()
+    if n_init < n_mine:
+        if init.config.head_type == "full":  # the vocabulary layer follows the blocks in lm_head
+            state[f"lm_head.{n_mine}.weight"] = state.pop(f"lm_head.{n_init}.weight")
+        for i in range(n_init, n_mine):
+            state[f"lm_head.{i}.linear.weight"] = torch.zeros_like(params[f"lm_head.{i}.linear.weight"])
+            state[f"lm_head.{i}.linear.bias"] = torch.zeros_like(params[f"lm_head.{i}.linear.bias"])
+    wanted = {k: v for k, v in state.items() if k in params and v.shape == params[k].shape}
     missing = [k for k, p in params.items() if p.requires_grad and k not in wanted]
     if missing:
         raise ValueError(f"--init-from {path}: no weights for {', '.join(missing)}")

@@ -109,9 +109,32 @@ def test_init_from_starts_at_the_given_drafters_weights(distilled, tmp_path):
 def test_init_from_another_architecture_names_what_differs(distilled, tmp_path):
     base, ex, _ = distilled
     kw = dict(steps=1, checkpoint_every=10**9, batch_size=8, draft_vocab_size=0)
-    train_drafter(base, ex, tmp_path / "one_block", num_draft_layers=1, **kw)
-    with pytest.raises(ValueError, match="num_draft_layers is 1, the drafter being trained has 2"):
-        train_drafter(base, ex, tmp_path / "two_blocks", num_draft_layers=2, init_from=tmp_path / "one_block", **kw)
+    train_drafter(base, ex, tmp_path / "two_blocks", num_draft_layers=2, **kw)
+    with pytest.raises(ValueError, match="num_draft_layers is 2, the drafter being trained has 1"):
+        train_drafter(base, ex, tmp_path / "one_block", num_draft_layers=1, init_from=tmp_path / "two_blocks", **kw)
+    with pytest.raises(ValueError, match="head_type is shared, the drafter being trained has full"):
+        train_drafter(base, ex, tmp_path / "full", head_type="full", init_from=tmp_path / "two_blocks", **kw)
+
+
+@pytest.mark.parametrize("head_type", ["shared", "full"])
+def test_init_from_fewer_blocks_grows_a_head_that_predicts_the_same(distilled, tmp_path, head_type):
+    """A head grown from one with fewer residual blocks starts as that head: the extra blocks are
+    the identity, so (with a vanishing learning rate) the logits are the same; then they train."""
+    from workers.redrafter.drafter import load_drafter
+
+    base, ex, _ = distilled
+    kw = dict(checkpoint_every=10**9, batch_size=32, draft_vocab_size=0, head_type=head_type, soft_weight=1.0)
+    train_drafter(base, ex, tmp_path / "one", num_draft_layers=1, steps=40, lr=3e-3, **kw)
+    train_drafter(base, ex, tmp_path / "grown", num_draft_layers=3, steps=1, lr=1e-12,
+                  init_from=tmp_path / "one", **kw)
+    trained = train_drafter(base, ex, tmp_path / "trained", num_draft_layers=3, steps=20, lr=3e-3,
+                            init_from=tmp_path / "one", **kw)
+    one, grown, moved = (load_drafter(tmp_path / d, base.lm_head.weight) for d in ("one", "grown", "trained"))
+    assert grown.config.num_draft_layers == 3 and trained["num_draft_layers"] == 3
+    H = base.config.hidden_size
+    ctx, state = torch.randn(5, H), torch.randn(5, H)
+    torch.testing.assert_close(grown.logits(ctx, state), one.logits(ctx, state), atol=1e-4, rtol=1e-4)
+    assert moved.lm_head[2].linear.weight.abs().max() > 0  # the new blocks learn
 
 
 def test_train_cli_checks_init_from_before_generating_data(tmp_path, trained_drafter_dirs):
@@ -124,6 +147,6 @@ def test_train_cli_checks_init_from_before_generating_data(tmp_path, trained_dra
     base = ["drafter", "train", "--out", str(tmp_path / "out"), "--data-dir", str(tmp_path / "never")]
     missing = CliRunner().invoke(app, base + ["--init-from", str(tmp_path / "nowhere")])
     assert missing.exit_code == 2 and "is not a drafter directory" in missing.output
-    other = CliRunner().invoke(app, base + ["--init-from", str(drafter), "--num-draft-layers", "3"])
+    other = CliRunner().invoke(app, base + ["--init-from", str(drafter), "--num-draft-layers", "1"])
     assert other.exit_code == 2 and "num_draft_layers" in other.output and "--init-from" in other.output
     assert not (tmp_path / "never").exists()
