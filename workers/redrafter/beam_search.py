@@ -57,8 +57,10 @@ def draft_beams_batch(
     """
     B = roots.shape[0]
     ids = drafter.draft_vocab  # None, or [Vd]: drafter index -> token id
-    state = drafter.step_state(torch.zeros_like(context), embed(roots))  # [B, H]
-    logp = torch.log_softmax(drafter.logits(context, state), dim=-1)  # [B, V or Vd]
+    state = drafter.first_state(embed(roots))  # [B, H]
+    logp = drafter.logits(context, state)  # [B, V or Vd]
+    if draft_len_per_beam > 1:  # scores only order later steps' beams; top-k of the logits is top-k of logp
+        logp = torch.log_softmax(logp, dim=-1)
     vocab = logp.shape[-1]
     scores, top = logp.topk(min(num_beams, vocab), dim=-1)  # [B, width]
     width = top.shape[1]

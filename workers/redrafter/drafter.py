@@ -104,6 +104,12 @@ class ReDrafter(torch.nn.Module):
         """RNN update ``[..., H], [..., H] -> [..., H]`` (Sec. 3.1)."""
         return F.silu(self.rnn_w(token_embeds) + self.rnn_u(prev_state))
 
+    def first_state(self, token_embeds: torch.Tensor) -> torch.Tensor:
+        """``step_state`` from the zero state (the first draft step, Sec. 3.1): ``U 0 + b = b``, so
+        the recurrent matmul is skipped. ``[..., H] -> [..., H]``."""
+        x = self.rnn_w(token_embeds)
+        return F.silu(x if self.rnn_u.bias is None else x + self.rnn_u.bias)
+
     def logits(self, context: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
         """Draft logits ``[..., V] float32`` from ``context`` ``[..., H]`` and ``state`` ``[..., H]``."""
         x = torch.cat([context, state], dim=-1)

@@ -77,3 +77,19 @@ def test_load_drafter_q8_0(tiny_model_dirs, trained_drafter_dirs):
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 2 / 3
     with pytest.raises(ValueError, match="weight_format"):
         load_drafter(path, model.lm_head.weight, weight_format="Q4_0")
+
+
+@pytest.mark.parametrize("weight_format", ["float32", "Q8_0"])
+def test_first_state_equals_a_step_from_the_zero_state(tiny_model_dirs, trained_drafter_dirs, weight_format):
+    """The first draft step skips ``U s`` for ``s = 0`` (only U's bias is left); same state, every format."""
+    from workers.models.loader import load_model
+    from workers.redrafter.quantize import use_int8_activations_in_drafter
+
+    model = load_model(str(tiny_model_dirs["tied_gqa2"]), torch.float32, "cpu")
+    drafter = load_drafter(trained_drafter_dirs["tied_gqa2"], model.lm_head.weight, weight_format=weight_format)
+    e = model.model.embed_tokens(torch.tensor([3, 17, 40]))
+    with torch.no_grad():
+        torch.testing.assert_close(drafter.first_state(e), drafter.step_state(torch.zeros_like(e), e))
+        if weight_format == "Q8_0":
+            use_int8_activations_in_drafter(drafter)
+            torch.testing.assert_close(drafter.first_state(e), drafter.step_state(torch.zeros_like(e), e))
