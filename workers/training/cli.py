@@ -216,6 +216,28 @@ def _shapes(text: str) -> list[tuple[int, int]]:
     return shapes
 
 
+@drafter_app.command("interpolate")
+def interpolate(
+    first: Path = typer.Option(..., help="Drafter directory weighted 1 - WEIGHT (e.g. the head a fine-tune started from)."),
+    second: Path = typer.Option(..., help="Drafter directory weighted WEIGHT (e.g. the fine-tuned head); same architecture."),
+    weight: float = typer.Option(..., help="Weight of --second, in [0, 1].", min=0.0, max=1.0),
+    out: Path = typer.Option(..., help="Output drafter directory (config.json, model.safetensors, draft_vocab.json, interpolation.json)."),
+) -> None:
+    """Average two draft heads weight by weight (WiSE-FT): (1 - WEIGHT) * FIRST + WEIGHT * SECOND,
+    with the union of their draft vocabularies. A fine-tuned head averaged with its start keeps more
+    of what the start knew (the committed drafter's card shows the trade-off)."""
+    from workers.training.interpolate import interpolate_drafters
+
+    try:
+        record = interpolate_drafters(first, second, weight, out)
+    except FileNotFoundError as e:
+        raise typer.BadParameter(str(e)) from None
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--second") from None
+    vocab = record["draft_vocab_size"]
+    console.print(f"drafter written to {out} (draft vocabulary: {vocab if vocab is not None else 'whole'} tokens)")
+
+
 @drafter_app.command("eval")
 def evaluate(
     drafter: Path = typer.Option(..., help="Drafter directory (config.json, model.safetensors, draft_vocab.json)."),
