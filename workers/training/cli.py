@@ -48,8 +48,12 @@ def _check_data_settings(data: Path, settings: dict) -> None:
     path = data / "generation.json"
     if path.is_file():
         old = json.loads(path.read_text())
-        old.setdefault("gen_with", "model")  # data of drafters before stop 26 came from the PyTorch model
+        old.setdefault("gen_with", "model")  # data recorded before --gen-with existed came from the PyTorch model
         for key, value in settings.items():
+            if key == "gen_with" and old[key] != value and old[key].startswith("engine:") and value.startswith("engine:"):
+                raise typer.BadParameter(
+                    f"{data} holds data the engine generated on compute path {old[key][7:]}; here it runs "
+                    f"{value[7:]} (another CPU or weights format): use another --data-dir", param_hint="--data-dir")
             if key in old and old[key] != value:
                 raise typer.BadParameter(
                     f"{data} holds data generated with {key}={old[key]!r}, not {value!r}; "
@@ -69,9 +73,9 @@ def train(
     max_prompt_tokens: int = typer.Option(400, help="Skip prompts longer than this (tokens).", min=1),
     max_new_tokens: int = typer.Option(256, help="Response length cap for data generation (tokens).", min=2),
     gen_batch_size: int = typer.Option(48, help="Sequences decoded together during data generation.", min=1),
-    gen_dtype: str = typer.Option("float32", help="Base-model dtype for data generation: float32 or bfloat16 (about 2x faster on AMX CPUs; responses can differ from float32 greedy ones late in a sequence).", metavar="[float32|bfloat16]"),
-    gen_with: str = typer.Option("engine", help="What generates the data: 'engine', the serving engine with in-flight batching on the path it serves on (on CPU the GGUF blocks with int8 decode activations, several times faster than 'model' here); 'model', the PyTorch model in --gen-dtype (the data of drafters before stop 26).", metavar="[engine|model]"),
-    also_train_on: Optional[list[Path]] = typer.Option(None, help="More shard directories to train on as well (data generated before, e.g. with other settings); repeatable."),
+    gen_dtype: str = typer.Option("float32", help="Base-model dtype for data generation: float32 or bfloat16 (with --gen-with model about 2x faster on AMX CPUs; with --gen-with engine bfloat16 leaves the GGUF/int8 path, so keep float32 there; responses can differ from float32 greedy ones late in a sequence).", metavar="[float32|bfloat16]"),
+    gen_with: str = typer.Option("engine", help="What generates the data: 'engine', the serving engine with in-flight batching on the path it serves on (on CPU with --gen-dtype float32: the GGUF blocks with int8 decode activations, 3.5x the 'model' speed on an AVX2 CPU); 'model', the PyTorch model in --gen-dtype (how earlier drafters' data was made).", metavar="[engine|model]"),
+    also_train_on: Optional[list[Path]] = typer.Option(None, help="Another shard directory to train on as well (data generated before by the same base model, e.g. with other settings); repeat the option for several.", metavar="DIR"),
     extra_prompts: int = typer.Option(0, help="Also generate data for up to N training prompts from rdserve's extra built-in sources (more chat instructions, template math word problems, Python standard-library functions), into DATA/extra.", min=0),
     steps: int = typer.Option(3000, help="Optimizer steps.", min=1),
     init_from: Optional[Path] = typer.Option(None, help="Start from this drafter's weights (same architecture, or fewer residual blocks: the extra ones start as the identity; fine-tuning). The draft vocabulary is still chosen from the new data."),
@@ -93,6 +97,8 @@ def train(
     if gen_with not in ("engine", "model"):
         raise typer.BadParameter(f"must be engine or model, got {gen_with!r}", param_hint="--gen-with")
     for extra_dir in also_train_on or []:
+        if not extra_dir.is_dir():
+            raise typer.BadParameter(f"{extra_dir} does not exist", param_hint="--also-train-on")
         if not any(extra_dir.rglob("shard-*.pt")):
             raise typer.BadParameter(f"{extra_dir} holds no shard-*.pt files", param_hint="--also-train-on")
     if head_type not in ("shared", "full"):
@@ -117,6 +123,10 @@ def train(
     model_dir = model or pull_default()
     base = load_model(model_dir)
     tok = load_tokenizer(model_dir)
+    if init_from is not None:
+        _check_same_base(init_from / "config.json", base.config, "--init-from")
+    data = data_dir or out / "data"
+    _check_also_train_on(also_train_on or [], data, Path(model_dir))
     if prompts:
         rows = _read_prompts(prompts)
         text = lambda r: r.get("prompt") or r["messages"][-1]["content"]  # noqa: E731
@@ -131,7 +141,6 @@ def train(
     if max_prompts:
         train_rows = train_rows[:max_prompts]
     eos = set(base.config.eos_token_id) | ({tok.eos_token_id} if tok.eos_token_id is not None else set())
-    data = data_dir or out / "data"
     if gen_with == "engine":
         gen_model = Engine(str(model_dir), None, dtype=gen_dtype, max_batch_size=gen_batch_size,
                            max_seq_len=max_prompt_tokens + max_new_tokens + 1, decode_activations="auto")
@@ -153,11 +162,15 @@ def train(
         generate_dataset(gen_model, extra, data / "extra", max_new_tokens, gen_batch_size, eos)
     del gen_model
     console.print("[bold]2/3[/] training")
-    examples = load_examples([data, *(also_train_on or [])], draft_len)
+    dirs = [d for d in [data] if any(d.rglob("shard-*.pt"))] + list(also_train_on or [])
+    if not dirs:
+        raise typer.BadParameter(f"no training data: no usable prompt (after --max-prompt-tokens {max_prompt_tokens}) "
+                                 f"and no --also-train-on", param_hint="--prompts")
+    examples = load_examples(dirs, draft_len)
     report = train_drafter(base, examples, out, num_draft_layers=num_draft_layers, head_type=head_type,
                            steps=steps, batch_size=batch_size, lr=lr,
                            draft_vocab_size=draft_vocab_size, soft_weight=soft_weight, init_from=init_from)
-    report["data"] = {**settings, "dir": str(data), "also_train_on": [str(d) for d in also_train_on or []]}
+    report["data"] = {**settings, "dir": str(data.resolve()), "also_train_on": [str(d.resolve()) for d in also_train_on or []]}
     (out / "train_report.json").write_text(json.dumps(report, indent=2) + "\n")
     if eval_prompts > 0 and held_rows:
         console.print(f"[bold]3/3[/] held-out tokens per step on up to {eval_prompts} prompts")
@@ -172,6 +185,46 @@ def train(
         console.print(table)
     (out / "checkpoint.pt").unlink(missing_ok=True)
     console.print(f"drafter written to {out}")
+
+
+def _check_same_base(config_path: Path, base_config, option: str) -> None:
+    """A drafter's ``config.json`` must match the base model's hidden and vocabulary sizes.
+
+    Raises:
+        typer.BadParameter: naming ``option`` and the size that differs.
+    """
+    raw = json.loads(config_path.read_text())
+    for key in ("hidden_size", "vocab_size"):
+        if raw.get(key) != getattr(base_config, key):
+            raise typer.BadParameter(f"{config_path.parent} was made for a base model with {key} {raw.get(key)}, "
+                                     f"this one has {getattr(base_config, key)}", param_hint=option)
+
+
+def _check_also_train_on(dirs: list[Path], data: Path, model_dir: Path) -> None:
+    """Extra shard directories must not overlap the data directory or each other (shards would count
+    twice), must come from the same base model, and must not be a ``drafter eval`` cache (measurement
+    prompts are never trained on).
+
+    Raises:
+        typer.BadParameter: naming ``--also-train-on`` and what is wrong.
+    """
+    seen = [data.resolve()]
+    for d in dirs:
+        r = d.resolve()
+        for other in seen:
+            if r == other or other in r.parents or r in other.parents:
+                raise typer.BadParameter(f"{d} overlaps {other} (its shards would be read twice)",
+                                         param_hint="--also-train-on")
+        seen.append(r)
+        settings = d / "generation.json"
+        if settings.is_file():
+            recorded = json.loads(settings.read_text())
+            if "prompts" in recorded:
+                raise typer.BadParameter(f"{d} is a `drafter eval` cache of {recorded['prompts']}: measurement "
+                                         "prompts are never trained on", param_hint="--also-train-on")
+            if recorded.get("model") not in (None, str(model_dir.resolve())):
+                raise typer.BadParameter(f"{d} was generated by {recorded['model']}, not {model_dir.resolve()}",
+                                         param_hint="--also-train-on")
 
 
 def _check_init_from(path: Path, head_type: str, num_draft_layers: int) -> None:
@@ -228,6 +281,14 @@ def interpolate(
     of what the start knew (the committed drafter's card shows the trade-off)."""
     from workers.training.interpolate import interpolate_drafters
 
+    if weight != weight:  # NaN passes typer's range check
+        raise typer.BadParameter("must be a number in [0, 1], got nan", param_hint="--weight")
+    for option, path in (("--first", first), ("--second", second)):
+        if out.resolve() == path.resolve():
+            raise typer.BadParameter(f"is {option} ({path}); write the average to a new directory", param_hint="--out")
+        if not (path / "config.json").is_file():
+            raise typer.BadParameter(f"{path} is not a drafter directory (needs config.json and model.safetensors)",
+                                     param_hint=option)
     try:
         record = interpolate_drafters(first, second, weight, out)
     except FileNotFoundError as e:
@@ -235,7 +296,8 @@ def interpolate(
     except ValueError as e:
         raise typer.BadParameter(str(e), param_hint="--second") from None
     vocab = record["draft_vocab_size"]
-    console.print(f"drafter written to {out} (draft vocabulary: {vocab if vocab is not None else 'whole'} tokens)")
+    console.print(f"drafter written to {out} (draft vocabulary: "
+                  f"{f'{vocab:,} tokens' if vocab is not None else 'the whole vocabulary'})")
 
 
 @drafter_app.command("eval")

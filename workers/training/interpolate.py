@@ -40,6 +40,8 @@ def interpolate_drafters(first: Path, second: Path, weight: float, out: Path) ->
             raise FileNotFoundError(f"{d} is not a drafter directory (needs config.json and model.safetensors)")
         cfgs.append(json.loads((d / "config.json").read_text()))
         states.append(load_file(str(d / "model.safetensors")))
+    for c in cfgs:
+        c.setdefault("head_type", "full")  # Apple's configs have no head_type: their heads are full (load_drafter)
     for key in _SAME:
         if cfgs[0].get(key) != cfgs[1].get(key):
             raise ValueError(f"{key} differs: {first} has {cfgs[0].get(key)}, {second} has {cfgs[1].get(key)}")
@@ -61,7 +63,7 @@ def interpolate_drafters(first: Path, second: Path, weight: float, out: Path) ->
     (out / DRAFT_VOCAB_FILE).unlink(missing_ok=True)
     if vocab is not None:
         (out / DRAFT_VOCAB_FILE).write_text(json.dumps(vocab) + "\n")
-    record = {"first": str(first), "second": str(second), "weight_of_second": weight,
+    record = {"first": str(first.resolve()), "second": str(second.resolve()), "weight_of_second": weight,
               "draft_vocab_size": len(vocab) if vocab is not None else None}
     (out / "interpolation.json").write_text(json.dumps(record, indent=2) + "\n")
     return record

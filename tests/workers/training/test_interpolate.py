@@ -65,3 +65,15 @@ def test_cli_refuses_other_architectures_and_bad_weights_naming_the_option(tmp_p
     assert not (tmp_path / "m").exists()
     ok = CliRunner().invoke(app, args + ["--second", str(tmp_path / "a"), "--weight", "0.5"])
     assert ok.exit_code == 0 and "whole" in ok.output
+
+
+def test_an_apple_config_without_head_type_is_a_full_head(tmp_path):
+    """Apple's checkpoints' config.json has no head_type (load_drafter reads them as full heads)."""
+    for name, seed in (("apple", 1), ("ours", 2)):
+        torch.manual_seed(seed)
+        ReDrafter(DrafterConfig(50, 16, 2, "full")).save(tmp_path / name)
+    cfg = json.loads((tmp_path / "apple" / "config.json").read_text())
+    del cfg["head_type"]
+    (tmp_path / "apple" / "config.json").write_text(json.dumps(cfg))
+    interpolate_drafters(tmp_path / "apple", tmp_path / "ours", 0.5, tmp_path / "m")
+    assert load_drafter(tmp_path / "m", None).config.head_type == "full"
