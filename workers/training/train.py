@@ -34,7 +34,8 @@ class TrainExamples:
     response token of its record); ``ctx_idx``: ``[N] long``, the context ``g_i`` of each example
     in ``hiddens`` (the hidden that chose ``y_{i+k}`` is ``hiddens[ctx_idx + k]``); ``windows``:
     ``[N, K + 1] long`` (root then K targets, -100 padded); ``prompt_idx``: ``[N] long``, which
-    record (prompt) each example came from.
+    prompt each example came from (records with the same prompt tokens share an index, even in
+    different directories, so a held-out split by prompt never leaks an answer into training).
     """
 
     hiddens: torch.Tensor
@@ -63,7 +64,7 @@ def load_examples(shard_dir: Path | list[Path], draft_len: int) -> TrainExamples
             raise FileNotFoundError(f"no shard-*.pt files in {d}")
         shards += found
     hiddens, ctx_idx, windows, prompt_idx, cats = [], [], [], [], []
-    offset, n_rec = 0, 0
+    offset, prompt_ids = 0, {}
     for shard in tqdm(shards, desc="loading shards", unit="shard"):
         for rec in torch.load(shard, weights_only=False):
             ids = torch.tensor(rec["response_ids"])
@@ -74,9 +75,10 @@ def load_examples(shard_dir: Path | list[Path], draft_len: int) -> TrainExamples
             windows.append(padded.unfold(0, draft_len + 1, 1)[: n - 1])
             hiddens.append(rec["hiddens"][:n])
             ctx_idx.append(torch.arange(offset, offset + n - 1))
-            prompt_idx.append(torch.full((n - 1,), n_rec))
+            idx = prompt_ids.setdefault(tuple(rec["prompt_ids"]), len(prompt_ids))
+            prompt_idx.append(torch.full((n - 1,), idx))
             cats += [rec["category"]] * (n - 1)
-            offset, n_rec = offset + n, n_rec + 1
+            offset += n
     return TrainExamples(torch.cat(hiddens), torch.cat(ctx_idx), torch.cat(windows), torch.cat(prompt_idx), cats)
 
 

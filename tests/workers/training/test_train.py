@@ -37,6 +37,20 @@ def test_examples_come_from_every_shard_directory(distilled):
     assert int(ex.prompt_idx.max()) + 1 == len(usable) and len(ex.ctx_idx) == sum(len(r["response_ids"]) - 1 for r in usable)
 
 
+def test_a_prompt_in_two_directories_is_one_prompt(distilled, tmp_path):
+    """The held-out split draws whole prompts: the same prompt's records in two directories share
+    one prompt index, so its answer cannot be both trained on and held out."""
+    _, ex, root = distilled
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    for p in (root / "extra").glob("shard-*.pt"):
+        (copy / p.name).write_bytes(p.read_bytes())
+    both = load_examples([root, copy], draft_len=K)
+    assert len(both.ctx_idx) > len(ex.ctx_idx)
+    assert int(both.prompt_idx.max()) == int(ex.prompt_idx.max())
+    assert torch.equal(both.prompt_idx[: len(ex.prompt_idx)], ex.prompt_idx)
+
+
 def test_teacher_hiddens_are_the_records_hiddens(distilled):
     """Example i of a record with hiddens g: context g[i], teacher k = g[i + k] (random tiny models
     repeat tokens, so argmax agreement alone would not catch an off-by-one)."""
