@@ -91,3 +91,15 @@ def test_interpolate_refuses_to_overwrite_an_input_and_nan(trained_drafter_dirs,
     assert missing.exit_code == 2 and "--second" in missing.output
     ok = CliRunner().invoke(app, base + ["--weight", "0.5", "--out", str(tmp_path / "m")])
     assert ok.exit_code == 0 and ("tokens)" in ok.output or "whole vocabulary" in ok.output), ok.output
+
+
+def test_generation_prompts_add_short_generation_data_and_train_on_it(tiny_model_dirs, tmp_path, prompt_file):
+    import torch
+
+    res = _train(tiny_model_dirs["tied_gqa2"], prompt_file, tmp_path / "g", "--generation-prompts", "5",
+                 "--max-prompt-tokens", "400")
+    assert res.exit_code == 0, res.output
+    records = [r for p in sorted((tmp_path / "g" / "data" / "generation").glob("shard-*.pt"))
+               for r in torch.load(p, weights_only=False)]
+    assert len(records) == 5 and {r["category"] for r in records} == {"generation"}
+    assert "5 generation prompts" in " ".join(res.output.split())
