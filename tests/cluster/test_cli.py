@@ -92,21 +92,21 @@ def test_drafter_train_rejects_bad_options_before_any_work(tmp_path, args, optio
 
 def test_drafter_data_dir_refuses_other_generation_settings(tmp_path):
     """Shards are reused on re-runs, so a data dir remembers how its data was generated."""
-    from workers.training.cli import _check_data_settings
+    from workers.training.preflight import check_data_settings
 
     settings = {"model": "/m", "max_new_tokens": 16, "gen_dtype": "bfloat16", "max_prompt_tokens": 400}
-    _check_data_settings(tmp_path, settings)
-    _check_data_settings(tmp_path, settings)  # same settings: fine (resume)
+    check_data_settings(tmp_path, settings)
+    check_data_settings(tmp_path, settings)  # same settings: fine (resume)
     with pytest.raises(typer.BadParameter, match="max_new_tokens=16") as err:
-        _check_data_settings(tmp_path, {**settings, "max_new_tokens": 32})
+        check_data_settings(tmp_path, {**settings, "max_new_tokens": 32})
     assert err.value.param_hint == "--max-new-tokens"
     with pytest.raises(typer.BadParameter, match="gen_dtype='bfloat16'"):
-        _check_data_settings(tmp_path, {**settings, "gen_dtype": "float32"})
+        check_data_settings(tmp_path, {**settings, "gen_dtype": "float32"})
     # data recorded before --gen-with existed came from the PyTorch model: engine data may not join it
     with pytest.raises(typer.BadParameter, match="gen_with='model'") as err:
-        _check_data_settings(tmp_path, {**settings, "gen_with": "engine:gguf-avx2-int8"})
+        check_data_settings(tmp_path, {**settings, "gen_with": "engine:gguf-avx2-int8"})
     assert err.value.param_hint == "--gen-with"
-    _check_data_settings(tmp_path, {**settings, "gen_with": "model"})
+    check_data_settings(tmp_path, {**settings, "gen_with": "model"})
 
 
 @pytest.mark.parametrize("keys", [None, ["sk-test-0123456789"]])

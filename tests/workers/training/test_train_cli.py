@@ -65,13 +65,13 @@ def test_init_from_a_drafter_of_another_base_model_fails_before_generating(tiny_
 
 
 def test_engine_data_from_another_compute_path_is_refused_naming_it(tiny_model_dirs, tmp_path, prompt_file):
-    from workers.training.cli import _check_data_settings
+    from workers.training.preflight import check_data_settings
     import typer
 
     settings = {"model": "/m", "max_new_tokens": 6, "gen_dtype": "float32", "max_prompt_tokens": 400}
-    _check_data_settings(tmp_path, {**settings, "gen_with": "engine:gguf-avx512-int8"})
+    check_data_settings(tmp_path, {**settings, "gen_with": "engine:gguf-avx512-int8"})
     with pytest.raises(typer.BadParameter, match="compute path gguf-avx512-int8; here it runs gguf-avx2-int8") as err:
-        _check_data_settings(tmp_path, {**settings, "gen_with": "engine:gguf-avx2-int8"})
+        check_data_settings(tmp_path, {**settings, "gen_with": "engine:gguf-avx2-int8"})
     assert err.value.param_hint == "--data-dir"
 
 
