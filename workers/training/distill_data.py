@@ -78,13 +78,16 @@ def generate_dataset(
     batch_size: int,
     eos_ids: set[int],
     chunk_size: int = 960,
+    engine_refill_shards: int = 4,
 ) -> None:
     """Write shard files ``[{"prompt_ids", "response_ids", "hiddens", "category"}, ...]``; skips
     shards that already exist (resume).
 
     ``model``: a :class:`LlamaForCausalLM` (:func:`generate_batch`) or a serving
     :class:`workers.engine.Engine` (:func:`workers.training.engine_data.generate_batch_engine`, which
-    stops at the engine's own EOS ids).
+    stops at the engine's own EOS ids). An engine gets ``engine_refill_shards`` shards' prompts at a
+    time (its in-flight batching keeps ``batch_size`` rows busy across them); each shard is still
+    written, and resumed, on its own.
     """
     out_dir.mkdir(parents=True, exist_ok=True)
     jobs = []
@@ -92,28 +95,35 @@ def generate_dataset(
         chunk = range(start, min(start + chunk_size, len(prompts)))
         order = sorted(chunk, key=lambda i: len(prompts[i]["prompt_ids"]))
         jobs += [(c, n, order[i : i + batch_size]) for n, i in enumerate(range(0, len(order), batch_size))]
-    bar = tqdm(jobs, desc="self-distillation data", unit="batch")
-    for c, n, batch in bar:
-        shard = out_dir / f"shard-{c:03d}-{n:05d}.pt"
-        if shard.exists():
-            continue
-        batch_ids = [prompts[i]["prompt_ids"] for i in batch]
+    todo = [(c, n, batch) for c, n, batch in jobs if not (out_dir / f"shard-{c:03d}-{n:05d}.pt").exists()]
+    # The engine refills its batch from a queue: hand it several shards' prompts at once so rows
+    # finishing early are replaced by the next shard's, instead of the batch draining to its longest.
+    group = 1 if isinstance(model, LlamaForCausalLM) else engine_refill_shards
+    bar = tqdm(total=len(jobs), initial=len(jobs) - len(todo), desc="self-distillation data", unit="batch")
+    for g in range(0, len(todo), group):
+        jobs_now = todo[g : g + group]
+        batch_ids = [prompts[i]["prompt_ids"] for _, _, batch in jobs_now for i in batch]
         if isinstance(model, LlamaForCausalLM):
             results = generate_batch(model, batch_ids, max_new_tokens, eos_ids)
         else:
             from workers.training.engine_data import generate_batch_engine
 
             results = generate_batch_engine(model, batch_ids, max_new_tokens)
-        records = [
-            {
-                "prompt_ids": prompts[i]["prompt_ids"],
-                "response_ids": resp,
-                "hiddens": hid,
-                "category": prompts[i].get("category", "unknown"),
-            }
-            for i, (resp, hid) in zip(batch, results)
-        ]
-        tmp = shard.with_suffix(".tmp")
-        torch.save(records, tmp)
-        tmp.rename(shard)
-        bar.set_postfix(tokens=sum(len(r["response_ids"]) for r in records))
+        for c, n, batch in jobs_now:
+            records = [
+                {
+                    "prompt_ids": prompts[i]["prompt_ids"],
+                    "response_ids": resp,
+                    "hiddens": hid,
+                    "category": prompts[i].get("category", "unknown"),
+                }
+                for i, (resp, hid) in zip(batch, results[: len(batch)])
+            ]
+            results = results[len(batch):]
+            shard = out_dir / f"shard-{c:03d}-{n:05d}.pt"
+            tmp = shard.with_suffix(".tmp")
+            torch.save(records, tmp)
+            tmp.rename(shard)
+            bar.update(1)
+            bar.set_postfix(tokens=sum(len(r["response_ids"]) for r in records))
+    bar.close()

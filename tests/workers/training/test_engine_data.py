@@ -60,6 +60,28 @@ def test_engine_shards_load_as_training_examples(tiny_model_dirs, tmp_path):
     assert ex.hiddens.shape[0] == sum(len(r["response_ids"]) for r in records if len(r["response_ids"]) >= 2)
 
 
+def test_engine_refilled_across_shards_writes_each_shard_as_alone_and_resumes(tiny_model_dirs, tmp_path):
+    """Several shards' prompts share the engine's batch; every shard holds its own prompts with the
+    answers they get one shard at a time, and a missing shard is regenerated alone."""
+    model_dir = tiny_model_dirs["tied_gqa2"]
+    prompts, eos = _prompts_and_eos(load_model(model_dir), 14)
+    engine = Engine(str(model_dir), None, max_batch_size=4, max_seq_len=128, decode_activations="float32")
+    engine.eos_token_ids = {eos}
+    rows = [{"prompt_ids": p, "category": "c"} for p in prompts]
+
+    def shards(d):
+        return {s.name: [(r["prompt_ids"], r["response_ids"]) for r in torch.load(s, weights_only=False)]
+                for s in sorted(d.glob("shard-*.pt"))}
+
+    generate_dataset(engine, rows, tmp_path / "one", 16, batch_size=4, eos_ids=set(), engine_refill_shards=1)
+    generate_dataset(engine, rows, tmp_path / "all", 16, batch_size=4, eos_ids=set(), engine_refill_shards=3)
+    alone, together = shards(tmp_path / "one"), shards(tmp_path / "all")
+    assert len(alone) == 4 and together == alone
+    (tmp_path / "all" / "shard-000-00002.pt").unlink()
+    generate_dataset(engine, rows, tmp_path / "all", 16, batch_size=4, eos_ids=set())
+    assert shards(tmp_path / "all") == alone and engine.num_unfinished == 0
+
+
 def test_engine_with_other_requests_is_refused(tiny_model_dirs):
     engine = Engine(str(tiny_model_dirs["tied_gqa2"]), None, max_seq_len=128, decode_activations="float32")
     engine.add_request("user", [5, 6, 7], SamplingParams(max_tokens=4), "plain")
