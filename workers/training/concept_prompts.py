@@ -1,5 +1,5 @@
-"""Short-generation prompts, written by us: sentences from concept sets, the concepts of a
-sentence, and app or product reviews.
+"""Short-generation prompts, written by us: a sentence from a set of concepts, a sentence about a
+topic, the concepts of a sentence, and app or product reviews.
 
 The ``generation`` category of ``broad/train.jsonl`` has only 216 prompts (sentence-from-concepts
 and review tasks), too few to teach the drafter the short, plain answers such tasks get; these
@@ -19,7 +19,7 @@ NOUNS = [
     "station", "ticket", "city", "street", "shop", "market", "bread", "cheese", "apple", "orange",
     "kitchen", "table", "chair", "window", "door", "roof", "house", "room", "bed", "pillow", "book",
     "library", "student", "teacher", "classroom", "board", "pencil", "paper", "computer", "phone",
-    "camera", "picture", "wall", "paint", "brush", "artist", "music", "guitar", "piano", "song",
+    "camera", "picture", "wall", "brush", "artist", "music", "guitar", "piano", "song",
     "stage", "crowd", "ball", "team", "player", "goal", "court", "net", "racket", "bike",
     "helmet", "mountain", "snow", "ski", "lake", "beach", "wave", "sand", "sun", "cloud", "rain",
     "umbrella", "coat", "shoe", "hat", "mirror", "hair", "water", "glass", "cup", "coffee", "tea",
@@ -76,7 +76,7 @@ def _sentence(rng: random.Random) -> str:
     """A simple everyday sentence from the word lists (its concepts are the nouns and verb)."""
     a, b = rng.sample(NOUNS, 2)
     v = rng.choice(VERBS)
-    forms = [f"The {a} likes to {v} near the {b}.", f"A {a} and a {b} {v} together in the morning.",
+    forms = [f"The {a} likes to {v} near the {b}.", f"The {a} and the {b} {v} together in the morning.",
              f"We watched the {a} {v} next to the old {b}.", f"Every day the {a} tries to {v} by the {b}."]
     return rng.choice(forms)
 

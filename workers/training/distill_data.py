@@ -9,8 +9,10 @@ accepted token and the root token the base model chose.
 Generation is batched (``batch_size`` rows decoded together with per-row lengths; a row that has
 finished leaves the batch) and resumable:
 prompts are taken in chunks of ``chunk_size`` in the given order, each chunk sorted by length and
-batched; each finished batch is one ``shard-CCC-BBBBB.pt`` file. Extending the prompt list keeps
-the chunks already generated, so more data can be added later.
+batched; each finished batch is one ``shard-CCC-BBBBB.pt`` file. A shard on disk is kept only when
+it holds exactly the prompts its batch has now: extending the prompt list keeps the full chunks
+already generated and regenerates the batches the new prompts change, so every prompt is in exactly
+one shard.
 """
 
 from __future__ import annotations
@@ -86,8 +88,11 @@ def generate_dataset(
     ``model``: a :class:`LlamaForCausalLM` (:func:`generate_batch`) or a serving
     :class:`workers.engine.Engine` (:func:`workers.training.engine_data.generate_batch_engine`, which
     stops at the engine's own EOS ids). An engine gets ``engine_refill_shards`` shards' prompts at a
-    time (its in-flight batching keeps ``batch_size`` rows busy across them); each shard is still
-    written, and resumed, on its own.
+    time (its in-flight batching keeps ``batch_size`` rows busy across them); those shards are written
+    when the group ends (an interruption loses at most the group) and resumed one by one.
+
+    Raises:
+        ValueError: ``engine_refill_shards`` below 1.
     """
     out_dir.mkdir(parents=True, exist_ok=True)
     jobs = []
@@ -95,7 +100,10 @@ def generate_dataset(
         chunk = range(start, min(start + chunk_size, len(prompts)))
         order = sorted(chunk, key=lambda i: len(prompts[i]["prompt_ids"]))
         jobs += [(c, n, order[i : i + batch_size]) for n, i in enumerate(range(0, len(order), batch_size))]
-    todo = [(c, n, batch) for c, n, batch in jobs if not (out_dir / f"shard-{c:03d}-{n:05d}.pt").exists()]
+    if engine_refill_shards < 1:
+        raise ValueError(f"engine_refill_shards must be >= 1, got {engine_refill_shards}")
+    todo = [(c, n, batch) for c, n, batch in jobs
+            if not _holds(out_dir / f"shard-{c:03d}-{n:05d}.pt", [prompts[i]["prompt_ids"] for i in batch])]
     # The engine refills its batch from a queue: hand it several shards' prompts at once so rows
     # finishing early are replaced by the next shard's, instead of the batch draining to its longest.
     group = 1 if isinstance(model, LlamaForCausalLM) else engine_refill_shards
@@ -127,3 +135,11 @@ def generate_dataset(
             bar.update(1)
             bar.set_postfix(tokens=sum(len(r["response_ids"]) for r in records))
     bar.close()
+
+
+def _holds(shard: Path, prompt_ids: list[list[int]]) -> bool:
+    """Whether ``shard`` exists and holds exactly these prompts, in order (its tensors are mapped,
+    not read)."""
+    if not shard.exists():
+        return False
+    return [r["prompt_ids"] for r in torch.load(shard, weights_only=False, mmap=True)] == prompt_ids

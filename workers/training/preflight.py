@@ -1,5 +1,6 @@
-"""Checks ``rdserve drafter train`` makes before any work: data generation takes hours, so a
-setting that would waste it or mix incompatible data is refused up front, naming its option."""
+"""Checks ``rdserve drafter train`` (and ``drafter eval``'s response cache) make before any work:
+data generation takes hours, so a setting that would waste it or mix incompatible data is refused up
+front, naming its option."""
 
 from __future__ import annotations
 

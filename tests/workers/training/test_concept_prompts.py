@@ -12,8 +12,11 @@ def test_train_prompts_are_distinct_generation_prompts_of_the_train_split():
     assert len(texts) == len(set(texts)) == 1500
     assert {r["category"] for r in rows} == {"generation"}
     assert all(split_of(t) == "train" for t in texts)
-    kinds = {"sentence": "sentence", "review": "review", "concepts": "concepts", "topic": "Write a sentence about"}
-    assert all(any(k in t for t in texts) for k in kinds.values())
+    from workers.training.concept_prompts import NOUNS, VERBS
+
+    assert not set(NOUNS) & set(VERBS)  # a concept set never names one word twice
+    kinds = ["uses all of these words", "Write a sentence about", "concepts in this sentence", "-star review"]
+    assert all(any(k in t for t in texts) for k in kinds)  # each kind of task is there
 
 
 def test_the_splits_never_share_a_prompt_and_a_seed_repeats():
