@@ -37,6 +37,7 @@ def build_engine(cfg: RdserveConfig, tp_gpus: list[str] | None = None):
         prefill_dtype=eng.prefill_dtype, decode_activations=eng.decode_activations,
         prompt_lookup_num_tokens=eng.prompt_lookup_num_tokens, prompt_lookup_min=eng.prompt_lookup_min,
         prompt_lookup_max=eng.prompt_lookup_max, prompt_lookup_max_num_tokens=eng.prompt_lookup_max_num_tokens,
+        draft_search=eng.draft_search,
         num_threads=num_threads(cfg),
     )
     factory = policy_for_kernel = None

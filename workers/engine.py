@@ -29,6 +29,7 @@ from workers.kernels.prefill_bf16 import resolve_prefill_dtype
 from workers.models.gguf_weights import resolve_weights, use_bf16_prefill, use_gguf_weights, use_int8_activations
 from workers.models.loader import load_model
 from workers.models.tokenizer import apply_chat_template, load_tokenizer
+from workers.redrafter.beam_search import DRAFT_SEARCHES
 from workers.redrafter.drafter import load_drafter
 from workers.redrafter.prompt_lookup import PromptLookup
 from workers.sampling import SamplingParams, make_generator
@@ -106,6 +107,9 @@ class EngineOptions:
         matched on n-grams of ``prompt_lookup_min`` to ``prompt_lookup_max`` tokens
         (:mod:`workers.redrafter.prompt_lookup`; vLLM's option names); after a step that accepted
         the whole beam it doubles, up to ``prompt_lookup_max_num_tokens`` (None: fixed length).
+    draft_search: how the drafter's beams are chosen: ``"beam"``, ReDrafter's beam search (Sec. 3.2;
+        TensorRT-LLM's), or ``"distinct_first"``, the ``num_beams`` most likely first tokens each
+        continued greedily (:func:`workers.redrafter.beam_search.draft_distinct_first_batch`).
     """
 
     device: str = "cpu"
@@ -130,6 +134,7 @@ class EngineOptions:
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 3
     prompt_lookup_max_num_tokens: int | None = None
+    draft_search: str = "distinct_first"
 
 
 class Engine:
@@ -159,6 +164,8 @@ class Engine:
             raise ValueError(f"prompt_lookup_num_tokens must be >= 0 (0: no lookup beam), got {opts.prompt_lookup_num_tokens}")
         if opts.prompt_lookup_max_num_tokens is not None and opts.prompt_lookup_num_tokens == 0:
             raise ValueError("prompt_lookup_max_num_tokens is set but prompt_lookup_num_tokens is 0 (no lookup beam)")
+        if opts.draft_search not in DRAFT_SEARCHES:
+            raise ValueError(f"draft_search must be one of {', '.join(DRAFT_SEARCHES)}, got {opts.draft_search!r}")
         if opts.decode_activations not in DECODE_ACTIVATIONS:
             raise ValueError(f"decode_activations must be one of {', '.join(DECODE_ACTIVATIONS)}, "
                              f"got {opts.decode_activations!r}")
@@ -213,7 +220,7 @@ class Engine:
         self.blocks = BlockManager(self.kv_size.num_blocks, opts.tokens_per_block)
         make = executor_factory or LocalExecutor
         self.executor = make(model, self.blocks.num_slots - 1)
-        self.runner = ModelRunner(self.executor, self.blocks, self.drafter, self.lookup)
+        self.runner = ModelRunner(self.executor, self.blocks, self.drafter, self.lookup, opts.draft_search)
         lookup_tokens = self.lookup.longest if self.lookup else 0
         self.scheduler = Scheduler(
             SchedulerConfig(opts.max_batch_size, opts.max_num_tokens, opts.max_prefill_chunk, self.max_seq_len,

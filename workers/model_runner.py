@@ -26,7 +26,7 @@ import torch
 from workers.block_manager import BlockManager
 from workers.forward_batch import AttentionGroup, ForwardBatch
 from workers.redrafter.acceptance import accept_greedy, accept_sampled
-from workers.redrafter.beam_search import draft_beams_batch
+from workers.redrafter.beam_search import draft_beams_batch, draft_distinct_first_batch
 from workers.redrafter.drafter import ReDrafter
 from workers.redrafter.prompt_lookup import NgramIndex, PromptLookup
 from workers.redrafter.tree import PrefixTree, build_prefix_tree
@@ -81,8 +81,9 @@ class ModelRunner:
     """Runs plans on an executor (:class:`workers.executor.LocalExecutor` or the TP executor)."""
 
     def __init__(self, executor, block_manager: BlockManager, drafter: ReDrafter | None,
-                 lookup: PromptLookup | None = None):
+                 lookup: PromptLookup | None = None, draft_search: str = "beam"):
         self.executor = executor
+        self.draft = draft_distinct_first_batch if draft_search == "distinct_first" else draft_beams_batch
         self.blocks = block_manager
         self.drafter = drafter
         self.lookup = lookup
@@ -166,7 +167,7 @@ class ModelRunner:
             return rows
         context = torch.stack([r.seq.extra["state"].hidden for r in spec])
         roots = torch.tensor([r.seq.output_token_ids[-1] for r in spec], device=context.device)
-        beams = draft_beams_batch(self.drafter, self.executor.embed, context, roots, num_beams, draft_len).cpu()
+        beams = self.draft(self.drafter, self.executor.embed, context, roots, num_beams, draft_len).cpu()
         for r, b in zip(spec, beams):
             budget = limits.get(r.seq.request_id, self.max_draft_depth(spec_shape))
             tree_beams = b[:, : min(draft_len, budget) + 1].tolist()

@@ -230,3 +230,16 @@ def test_autoscale_yaml_scales_one_to_two_replicas_quickly():
 def test_colocate_auto_means_exactly_one_engine_replica(tmp_path, yaml_text, colocated):
     cfg = load_config(write(tmp_path, yaml_text + "\n"))
     assert cfg.serve.colocated(cfg.engine.tp_size) is colocated
+
+
+def test_draft_search_is_validated_and_needs_backend_torch(tmp_path):
+    """'distinct_first' is the default; a bad value names the field; TensorRT-LLM drafts by beam search."""
+    assert load_config(write(tmp_path, "drafter: {path: d}\n")).engine.draft_search == "distinct_first"
+    with pytest.raises(ValueError, match="engine.draft_search"):
+        load_config(write(tmp_path, "engine: {draft_search: greedy}\ndrafter: {path: d}\n"))
+    with pytest.raises(ValueError, match="engine.draft_search: 'distinct_first' needs backend torch"):
+        load_config(write(tmp_path, "engine: {backend: tensorrt_llm, draft_search: distinct_first, "
+                                    "prompt_lookup_num_tokens: 0}\ndrafter: {path: d}\n"))
+    cfg = load_config(write(tmp_path, "engine: {backend: tensorrt_llm, draft_search: beam, prompt_lookup_num_tokens: 0}\n"
+                                      "drafter: {path: d}\n"))
+    assert cfg.engine.draft_search == "beam"

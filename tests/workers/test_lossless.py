@@ -69,16 +69,16 @@ def assert_same(spec: Run, plain: Run, context: str) -> None:
 
 @pytest.fixture(scope="module")
 def engines(tiny_model_dirs, trained_drafter_dirs):
-    """``engines(variant, num_beams, draft_len_per_beam, lookup_tokens=0, lookup_min=2, lookup_max_tokens=None)
-    -> Engine``, cached."""
+    """``engines(variant, num_beams, draft_len_per_beam, lookup_tokens=0, lookup_min=2, lookup_max_tokens=None,
+    draft_search="beam") -> Engine``, cached."""
 
     @lru_cache(maxsize=None)
     def make(variant: str, num_beams: int, draft_len: int, lookup_tokens: int = 0, lookup_min: int = 2,
-             lookup_max_tokens: int | None = None) -> Engine:
+             lookup_max_tokens: int | None = None, draft_search: str = "beam") -> Engine:
         engine = Engine(str(tiny_model_dirs[variant]), str(trained_drafter_dirs[variant]),
                         num_beams=num_beams, draft_len_per_beam=draft_len, max_seq_len=256,
                         prompt_lookup_num_tokens=lookup_tokens, prompt_lookup_min=lookup_min, prompt_lookup_max=3,
-                        prompt_lookup_max_num_tokens=lookup_max_tokens)
+                        prompt_lookup_max_num_tokens=lookup_max_tokens, draft_search=draft_search)
         assert (engine.weights is not None) == variant.endswith("@gguf")  # GGUF blocks served by default
         # and then the drafter drafts on Q8_0 blocks (workers/redrafter/quantize.py)
         assert (type(engine.drafter.rnn_u).__name__ == "QuantLinear") == variant.endswith("@gguf")
@@ -102,13 +102,13 @@ def stop_strings(text: str) -> list[str]:
 
 @pytest.mark.parametrize("weights", ["float32", "gguf"])
 def test_greedy_spec_matches_plain_over_random_cases(engines, weights):
-    """36 random cases: beam shapes 1-8 x 1-6, prompt lengths 1-100, max_tokens, EOS, stop strings;
-    on float32 weights and on GGUF Q4_1/Q8_0 blocks."""
+    """36 random cases: beam shapes 1-8 x 1-6, beam search and distinct first tokens, prompt lengths
+    1-100, max_tokens, EOS, stop strings; on float32 weights and on GGUF Q4_1/Q8_0 blocks."""
     multi_token_steps = 0
     for case in range(36):
         rng = random.Random(case)
         variant = weights_variant(VARIANTS[case % 2], weights)
-        engine = engines(variant, rng.randint(1, 8), rng.randint(1, 6))
+        engine = engines(variant, rng.randint(1, 8), rng.randint(1, 6), draft_search=("beam", "distinct_first")[case % 4 >= 2])
         prompt = random_prompt(rng, len(engine.tokenizer))
         params = SamplingParams(max_tokens=rng.randint(1, 60))
         plain = run(engine, prompt, params, "plain")
@@ -118,7 +118,7 @@ def test_greedy_spec_matches_plain_over_random_cases(engines, weights):
             plain = run(engine, prompt, params, "plain")
         spec = run(engine, prompt, params, "spec")
         assert_same(spec, plain, f"case {case}: {variant} beams={engine.options.num_beams} "
-                                 f"draft_len={engine.options.draft_len_per_beam} params={params}")
+                                 f"draft_len={engine.options.draft_len_per_beam} {engine.options.draft_search} params={params}")
         multi_token_steps += sum(a >= 2 for a in spec.step_accepted)
     assert multi_token_steps >= 20, "the drafter was rarely accepted; the comparison is weak"
 

@@ -244,6 +244,7 @@ def evaluate(
     prompt_lookup_num_tokens: int = typer.Option(0, help="Add a prompt-lookup beam of this many tokens to every draft tree (engine.prompt_lookup_num_tokens; 0: ReDrafter beams only).", min=0),
     prompt_lookup_min: int = typer.Option(2, help="Shortest n-gram the prompt-lookup beam matches.", min=1),
     prompt_lookup_max: int = typer.Option(3, help="Longest n-gram the prompt-lookup beam matches.", min=1),
+    draft_search: str = typer.Option("distinct_first", help="How the drafter's beams are chosen (engine.draft_search): 'beam', ReDrafter's beam search; 'distinct_first', the num_beams most likely first tokens each continued greedily.", metavar="[beam|distinct_first]"),
     prompt_lookup_max_num_tokens: Optional[int] = typer.Option(None, help="Let the lookup beam double after a step that accepted all of it, up to this many tokens (engine.prompt_lookup_max_num_tokens).", min=1),
 ) -> None:
     """Measure a drafter on a prompt set, per category: speculative decoding (tokens per step,
@@ -251,6 +252,8 @@ def evaluate(
     prompt-lookup beam) and teacher-forced top-1 accuracy per drafted position with the draft
     vocabulary's coverage. Greedy, batch 1; prompts over 2,000 tokens are skipped."""
     shape_list = _shapes(shapes)
+    if draft_search not in ("beam", "distinct_first"):
+        raise typer.BadParameter(f"must be beam or distinct_first, got {draft_search!r}", param_hint="--draft-search")
     if prompt_lookup_min > prompt_lookup_max:
         raise typer.BadParameter(f"{prompt_lookup_min} is above --prompt-lookup-max {prompt_lookup_max}",
                                  param_hint="--prompt-lookup-min")
@@ -275,7 +278,8 @@ def evaluate(
         console.print(f"skipped {skipped} prompts over 2,000 tokens")
     report: dict = {"drafter": str(drafter), "prompts": str(prompts), "max_new_tokens": max_new_tokens,
                     "prompt_lookup": {"num_tokens": prompt_lookup_num_tokens, "min": prompt_lookup_min,
-                                      "max": prompt_lookup_max, "max_num_tokens": prompt_lookup_max_num_tokens}}
+                                      "max": prompt_lookup_max, "max_num_tokens": prompt_lookup_max_num_tokens},
+                    "draft_search": draft_search}
     data = data_dir or out.with_name(out.stem + "-data")
     check_data_settings(data, {"model": str(Path(model_dir).resolve()), "prompts": str(prompts.resolve()),
                                 "max_new_tokens": max_new_tokens, "gen_dtype": "float32"})
@@ -296,7 +300,7 @@ def evaluate(
             engine = Engine(str(model_dir), str(drafter), num_beams=nb, draft_len_per_beam=dl,
                             prompt_lookup_num_tokens=prompt_lookup_num_tokens, prompt_lookup_min=prompt_lookup_min,
                             prompt_lookup_max=prompt_lookup_max,
-                            prompt_lookup_max_num_tokens=prompt_lookup_max_num_tokens)
+                            prompt_lookup_max_num_tokens=prompt_lookup_max_num_tokens, draft_search=draft_search)
             res = spec_acceptance(engine, subset, max_new_tokens, desc=f"speculative {nb}x{dl}")
             report["spec"][f"{nb}x{dl}"] = res
             table = Table("category", "prompts", "tokens/step", "first-token acceptance", title=f"shape {nb}x{dl}")

@@ -125,3 +125,29 @@ def test_batched_beam_search_equals_one_sequence_at_a_time(num_beams, draft_len)
         batched = draft_beams_batch(drafter, embed, context, roots, num_beams, draft_len)
         for b in range(5):
             assert torch.equal(batched[b], draft_beams(drafter, embed, context[b], int(roots[b]), num_beams, draft_len))
+
+
+@pytest.mark.parametrize("head_type", ["shared", "full"])
+def test_distinct_first_beams_start_with_the_top_tokens_and_continue_greedily(head_type):
+    """Beam ``j`` starts with the j-th most likely first token; each later token is the drafter's
+    argmax after the beam so far (checked one sequence at a time against the drafter's logits);
+    with one beam it is beam search's beam."""
+    from workers.redrafter.beam_search import draft_distinct_first_batch
+
+    drafter, _, embed = random_drafter(vocab=13, hidden=8, layers=2, head_type=head_type, seed=4)
+    context = torch.randn(3, 8, generator=torch.Generator().manual_seed(2))
+    roots = torch.tensor([1, 5, 12])
+    with torch.no_grad():
+        beams = draft_distinct_first_batch(drafter, embed, context, roots, 4, 3)
+        assert beams.shape == (3, 4, 4) and (beams[:, :, 0] == roots[:, None]).all()
+        for b in range(3):
+            first = drafter.logits(context[b][None], drafter.first_state(embed(roots[b : b + 1])))[0]
+            assert beams[b, :, 1].tolist() == first.topk(4).indices.tolist()  # distinct, best first
+            for beam in beams[b]:
+                state = torch.zeros(1, 8)
+                for k in range(1, 4):  # the state after beam[:k] predicts beam[k]; from k = 2 on, its argmax
+                    state = drafter.step_state(state, embed(beam[k - 1 : k]))
+                    if k >= 2:
+                        assert int(drafter.logits(context[b][None], state).argmax()) == int(beam[k])
+        one = draft_distinct_first_batch(drafter, embed, context, roots, 1, 3)
+        assert torch.equal(one, draft_beams_batch(drafter, embed, context, roots, 1, 3))
