@@ -3,8 +3,9 @@
 The scheduler decides which requests run and the speculation shape; this runner only carries the
 plan out (nano-vllm's ``model_runner``; TensorRT-LLM's in-flight batching runtime):
 
-1. Generation requests that speculate get their draft beams, all in one batched ReDrafter beam
-   search (arXiv 2403.09919 Sec. 3.2), plus, where set, a prompt-lookup beam copied from their
+1. Generation requests that speculate get their draft beams, all in one batched draft search
+   (``draft_search``: ReDrafter's beam search, arXiv 2403.09919 Sec. 3.2, or distinct first tokens,
+   :mod:`workers.redrafter.beam_search`), plus, where set, a prompt-lookup beam copied from their
    own context (:mod:`workers.redrafter.prompt_lookup`), packed into one prefix tree each.
 2. Context chunks and generation tokens (root token plus draft tree, or the root alone for plain
    decoding) are packed into one :class:`ForwardBatch`: each context chunk is its own attention
@@ -81,9 +82,11 @@ class ModelRunner:
     """Runs plans on an executor (:class:`workers.executor.LocalExecutor` or the TP executor)."""
 
     def __init__(self, executor, block_manager: BlockManager, drafter: ReDrafter | None,
-                 lookup: PromptLookup | None = None, draft_search: str = "beam"):
+                 lookup: PromptLookup | None = None, draft_search: str = "distinct_first"):
+        if draft_search not in ("beam", "distinct_first"):
+            raise ValueError(f"draft_search must be beam or distinct_first, got {draft_search!r}")
         self.executor = executor
-        self.draft = draft_distinct_first_batch if draft_search == "distinct_first" else draft_beams_batch
+        self.draft_search = draft_search
         self.blocks = block_manager
         self.drafter = drafter
         self.lookup = lookup
@@ -167,7 +170,8 @@ class ModelRunner:
             return rows
         context = torch.stack([r.seq.extra["state"].hidden for r in spec])
         roots = torch.tensor([r.seq.output_token_ids[-1] for r in spec], device=context.device)
-        beams = self.draft(self.drafter, self.executor.embed, context, roots, num_beams, draft_len).cpu()
+        search = draft_distinct_first_batch if self.draft_search == "distinct_first" else draft_beams_batch
+        beams = search(self.drafter, self.executor.embed, context, roots, num_beams, draft_len).cpu()
         for r, b in zip(spec, beams):
             budget = limits.get(r.seq.request_id, self.max_draft_depth(spec_shape))
             tree_beams = b[:, : min(draft_len, budget) + 1].tolist()

@@ -52,7 +52,7 @@ def accept_sampled(
 
     Why not Apple's rule. The standard test (Leviathan et al. arXiv 2211.17192 Sec. 2.3) accepts x
     with ``min(1, p(x) / q(x))`` and assumes x was *sampled* from the drafter's distribution q.
-    ReDrafter's beam search *selects* the most likely beams, so a drafted token is a deterministic
+    ReDrafter's beam search (and the distinct-first search) *selects* likely beams, so a drafted token is a deterministic
     function of the context; its proposal distribution is a point mass, not q. Plugging the
     drafter's softmax q into the test then biases the output: with p(x) = 0.3 and q(x) = 0.2 it
     always accepts x, emitting it with probability 1 instead of 0.3 (apple/ml-recurrent-drafter
