@@ -56,18 +56,9 @@ def draft_beams_batch(
         of draft log-probabilities) are accumulated in float32; beams are ordered by score, best
         first. ``width = num_beams`` unless the (draft) vocabulary is smaller.
     """
-    B = roots.shape[0]
     ids = drafter.draft_vocab  # None, or [Vd]: drafter index -> token id
-    state = drafter.first_state(embed(roots))  # [B, H]
-    logp = drafter.logits(context, state)  # [B, V or Vd]
-    if draft_len_per_beam > 1:  # scores only order later steps' beams; top-k of the logits is top-k of logp
-        logp = torch.log_softmax(logp, dim=-1)
-    vocab = logp.shape[-1]
-    scores, top = logp.topk(min(num_beams, vocab), dim=-1)  # [B, width]
-    width = top.shape[1]
-    top = top if ids is None else ids[top]
-    beams = torch.stack([roots[:, None].expand(B, width), top], dim=2)  # [B, width, 2]
-    state = state[:, None].expand(B, width, -1)
+    beams, state, scores, vocab = _first_level(drafter, embed, context, roots, num_beams, draft_len_per_beam > 1)
+    B, width = beams.shape[:2]
     for _ in range(draft_len_per_beam - 1):
         state = drafter.step_state(state, embed(beams[:, :, -1]))  # [B, width, H]
         logp = torch.log_softmax(drafter.logits(context[:, None].expand(B, width, -1), state), dim=-1)  # [B, width, V]
@@ -103,18 +94,33 @@ def draft_distinct_first_batch(
     drafter's card). Same arguments and result layout as :func:`draft_beams_batch`; beams ordered by
     their first token's score; with ``num_beams`` 1 the two are the same.
     """
-    B = roots.shape[0]
     ids = drafter.draft_vocab
-    state = drafter.first_state(embed(roots))  # [B, H]
-    logits = drafter.logits(context, state)  # [B, V or Vd]
-    top = logits.topk(min(num_beams, logits.shape[-1]), dim=-1).indices  # [B, width]
-    width = top.shape[1]
-    top = top if ids is None else ids[top]
-    beams = torch.stack([roots[:, None].expand(B, width), top], dim=2)  # [B, width, 2]
-    state = state[:, None].expand(B, width, -1)
+    beams, state, _, _ = _first_level(drafter, embed, context, roots, num_beams, False)
+    B, width = beams.shape[:2]
     for _ in range(draft_len_per_beam - 1):
         state = drafter.step_state(state, embed(beams[:, :, -1]))  # [B, width, H]
         nxt = drafter.logits(context[:, None].expand(B, width, -1), state).argmax(-1)  # [B, width]
         nxt = nxt if ids is None else ids[nxt]
         beams = torch.cat([beams, nxt[:, :, None]], 2)
     return beams
+
+
+def _first_level(drafter: ReDrafter, embed, context: torch.Tensor, roots: torch.Tensor, num_beams: int,
+                 log_probs: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """The first draft position of both searches: the ``width = min(num_beams, vocab)`` best tokens.
+
+    Returns ``beams [B, width, 2]`` (root, token id), ``state [B, width, H]`` (the RNN state that
+    scored them), ``scores [B, width]`` (log-probabilities with ``log_probs``, else logits) and the
+    drafter's vocabulary size (``V`` or ``Vd``).
+    """
+    B = roots.shape[0]
+    state = drafter.first_state(embed(roots))  # [B, H]
+    scores = drafter.logits(context, state)  # [B, V or Vd]
+    if log_probs:  # only to rank later steps' beams; top-k of the logits is top-k of the log-probs
+        scores = torch.log_softmax(scores, dim=-1)
+    vocab = scores.shape[-1]
+    scores, top = scores.topk(min(num_beams, vocab), dim=-1)  # [B, width]
+    width = top.shape[1]
+    top = top if drafter.draft_vocab is None else drafter.draft_vocab[top]
+    beams = torch.stack([roots[:, None].expand(B, width), top], dim=2)
+    return beams, state[:, None].expand(B, width, -1), scores, vocab
