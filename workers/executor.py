@@ -55,6 +55,11 @@ class LocalExecutor:
         return self.model.model.embed_tokens(ids)
 
     @property
+    def embed_weight(self) -> torch.Tensor:
+        """The input embedding table ``[vocab_size, hidden_size]`` (what :meth:`embed` gathers from)."""
+        return self.model.model.embed_tokens.weight
+
+    @property
     def failure(self) -> None:
         """A single process has no ranks that can fail (see ``TPExecutor.failure``)."""
         return None

@@ -28,6 +28,7 @@ from workers.block_manager import BlockManager
 from workers.forward_batch import AttentionGroup, ForwardBatch
 from workers.redrafter.acceptance import accept_greedy, accept_sampled
 from workers.redrafter.beam_search import draft_beams_batch, draft_distinct_first_batch
+from workers.redrafter.fused_draft import draft_distinct_first_fused
 from workers.redrafter.drafter import ReDrafter
 from workers.redrafter.prompt_lookup import NgramIndex, PromptLookup
 from workers.redrafter.tree import PrefixTree, build_prefix_tree
@@ -170,8 +171,14 @@ class ModelRunner:
             return rows
         context = torch.stack([r.seq.extra["state"].hidden for r in spec])
         roots = torch.tensor([r.seq.output_token_ids[-1] for r in spec], device=context.device)
-        search = draft_distinct_first_batch if self.draft_search == "distinct_first" else draft_beams_batch
-        beams = search(self.drafter, self.executor.embed, context, roots, num_beams, draft_len).cpu()
+        beams = None
+        if self.draft_search == "distinct_first" or num_beams == 1 or draft_len == 1:  # the same beams then
+            embed = getattr(self.executor, "embed_weight", None)
+            if embed is not None:
+                beams = draft_distinct_first_fused(self.drafter, embed, context, roots, num_beams, draft_len)
+        if beams is None:
+            search = draft_distinct_first_batch if self.draft_search == "distinct_first" else draft_beams_batch
+            beams = search(self.drafter, self.executor.embed, context, roots, num_beams, draft_len).cpu()
         for r, b in zip(spec, beams):
             budget = limits.get(r.seq.request_id, self.max_draft_depth(spec_shape))
             tree_beams = b[:, : min(draft_len, budget) + 1].tolist()

@@ -18,31 +18,14 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "simd.h"
+#include "linear_dispatch.h"
 
-void rd_linear_packed(const float *x, const float *wp, const float *bias, float *y, long M, long K, long N);
-void rd_linear_q4_1(const float *x, const void *w, const float *bias, float *y, long M, long K, long N);
-void rd_linear_q8_0(const float *x, const void *w, const float *bias, float *y, long M, long K, long N);
-int rd_linear_q4_1_vnni(const float *x, const void *w, const float *bias, float *y, long M, long K, long N);
-int rd_linear_q8_0_vnni(const float *x, const void *w, const float *bias, float *y, long M, long K, long N);
-int rd_linear_q4_1_int8_avx2(const float *x, const void *w, const float *bias, float *y, long M, long K, long N);
-int rd_linear_q8_0_int8_avx2(const float *x, const void *w, const float *bias, float *y, long M, long K, long N);
 void rd_rms_norm(float *x, const float *delta, const float *w, float *out, long rows, long n, float eps);
 void rd_rope_write_kv(const float *qkv, const float *cos, const float *sin_signed, const int64_t *slots,
                       float *k_cache, float *v_cache, float *q_out, long N, long H, long HKV, long D);
 int rd_decode_attention(const float *q, long q_stride, const float *kc, const float *vc, const int64_t *slots,
                         long run_start, const uint8_t *mask, float *out, long B, long T, long L, long H, long HKV,
                         long D, float scale);
-
-/* silu(x) = x * sigmoid(x), sigmoid from e = exp(-|x|): 1 / (1 + e) for x >= 0, e / (1 + e) below;
- * e = 0 for |x| > 87 (vexp_nonpositive stops at exp(-87)), so silu(x) = -0 below -87 (exact: a
- * subnormal or 0) and x above 87; NaN stays NaN, silu(-inf) = NaN as in torch. */
-static inline vf vsilu(vf x) {
-    const vf one = vset1(1.0f);
-    vf nabs = vneg_abs(x);
-    vf e = vselect_nonneg(vadd(nabs, vset1(87.0f)), vexp_nonpositive(nabs), vzero());
-    return vmul(x, vdiv(vselect_nonneg(x, one, e), vadd(one, e)));
-}
 
 /* out[r, i] = silu(gu[r, i]) * gu[r, n + i]: gu [rows, 2 n] (gate, then up), out [rows, n]. A row's
  * tail of n % VL values goes through the same vector operations (padded), so every value rounds the
@@ -64,15 +47,6 @@ void rd_silu_mul(const float *gu, float *out, long rows, long n) {
     }
 }
 
-/* Linear kinds, as workers/kernels/decoder.py names them. */
-enum { LIN_PACKED, LIN_Q4_1, LIN_Q8_0, LIN_Q4_1_VNNI, LIN_Q8_0_VNNI, LIN_Q4_1_I8_AVX2, LIN_Q8_0_I8_AVX2 };
-
-typedef struct {
-    long kind, K, N;
-    const void *w;
-    const float *bias;
-} rd_lin;
-
 typedef struct {
     rd_lin qkv, o, gate_up, down;
     const float *post_norm, *next_norm; /* [hidden]: post-attention norm, then the next layer's input norm (or the final one) */
@@ -84,19 +58,6 @@ typedef struct {
     const int64_t *slots;                            /* [batch, kv_len] or NULL (run_start ..) */
     const uint8_t *mask;                             /* [batch, seq_len, kv_len] */
 } rd_group;
-
-static int linear(const rd_lin *l, const float *x, float *y, long M) {
-    switch (l->kind) {
-    case LIN_PACKED: rd_linear_packed(x, l->w, l->bias, y, M, l->K, l->N); return 0;
-    case LIN_Q4_1: rd_linear_q4_1(x, l->w, l->bias, y, M, l->K, l->N); return 0;
-    case LIN_Q8_0: rd_linear_q8_0(x, l->w, l->bias, y, M, l->K, l->N); return 0;
-    case LIN_Q4_1_VNNI: return rd_linear_q4_1_vnni(x, l->w, l->bias, y, M, l->K, l->N);
-    case LIN_Q8_0_VNNI: return rd_linear_q8_0_vnni(x, l->w, l->bias, y, M, l->K, l->N);
-    case LIN_Q4_1_I8_AVX2: return rd_linear_q4_1_int8_avx2(x, l->w, l->bias, y, M, l->K, l->N);
-    case LIN_Q8_0_I8_AVX2: return rd_linear_q8_0_int8_avx2(x, l->w, l->bias, y, M, l->K, l->N);
-    default: return -2;
-    }
-}
 
 /* x: [N, hidden] (the embeddings; the residual stream, updated in place); h: [N, hidden] out, the
  * final norm of the stream; first_norm: layer 0's input norm [hidden]; cos, sin_signed: [N, D];

@@ -1,0 +1,133 @@
+"""The distinct-first draft (:func:`~workers.redrafter.beam_search.draft_distinct_first_batch`) in one C
+call (``workers/kernels/drafter.c``) when the drafter runs on rdserve's CPU kernels.
+
+The Python search makes about 20 torch calls and 5 projections per draft position: ~1 ms of a
+~13 ms speculative step at batch 1 on two AVX2 cores, most of it call overhead (BENCHMARKS.md,
+"Stop 28"). The C path runs the same projections on the same kernels in the same order; its SiLU is
+the decoder's (a few ulp from torch's), so a near-tie between two draft tokens may be broken the
+other way. Proposals only: verification, and so the output, does not depend on them.
+
+With one beam, or one draft token per beam, ReDrafter's beam search proposes the same beams
+(:func:`~workers.redrafter.beam_search.draft_beams_batch`), so the engine takes this path then too.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import weakref
+
+import torch
+
+from workers.kernels import build
+from workers.kernels.decoder import LINEAR_KINDS, _Lin
+from workers.kernels.packed_linear import PackedLinear
+from workers.kernels.quant_linear import QuantLinear
+from workers.redrafter.drafter import ReDrafter
+
+MAX_DRAFT_LAYERS = 8  # drafter.c's RD_MAX_DRAFT_LAYERS
+MAX_WIDTH = 64  # drafter.c's top-k buffer
+_L, _P = ctypes.c_long, ctypes.c_void_p
+
+
+class _Drafter(ctypes.Structure):
+    _fields_ = [("rnn_w", _Lin), ("rnn_u", _Lin), ("blocks", _Lin * MAX_DRAFT_LAYERS), ("n_blocks", _L),
+                ("has_out_proj", _L), ("out_proj", _Lin), ("head", _Lin), ("embed", _P), ("draft_vocab", _P),
+                ("H", _L)]
+
+
+def _lin(m) -> _Lin | None:
+    if type(m) is not QuantLinear and type(m) is not PackedLinear:
+        return None
+    kind = LINEAR_KINDS.get(m.__dict__.get("_entry", "rd_linear_packed"))
+    if kind is None:
+        return None
+    return _Lin(kind, m.in_features, m.out_features, m._buffers["panels"].data_ptr(),
+                0 if m.bias is None else m.bias.data_ptr())
+
+
+def _key(drafter: ReDrafter, embed_weight: torch.Tensor) -> tuple:
+    mods = [drafter.rnn_w, drafter.rnn_u, *[b.linear for b in drafter.lm_head[: drafter.config.num_draft_layers]],
+            getattr(drafter, "out_proj", None), drafter._packed_head]
+    ptrs = tuple((id(m), None if m is None or "panels" not in m._buffers else m._buffers["panels"].data_ptr(),
+                  None if m is None or m.bias is None else m.bias.data_ptr(), m.__dict__.get("_entry") if m else None)
+                 for m in mods)
+    vocab = drafter.draft_vocab
+    return ptrs + ((embed_weight.data_ptr(), tuple(embed_weight.shape)),
+                   None if vocab is None else (vocab.data_ptr(), vocab.numel()))
+
+
+def _build(drafter: ReDrafter, embed_weight: torch.Tensor) -> _Drafter | None:
+    cfg = drafter.config
+    if drafter._packed_head is None or cfg.num_draft_layers > MAX_DRAFT_LAYERS:
+        return None  # the full-vocabulary shared head is a plain tensor, not on the kernels
+    lins = [_lin(drafter.rnn_w), _lin(drafter.rnn_u), *[_lin(b.linear) for b in drafter.lm_head[: cfg.num_draft_layers]],
+            _lin(drafter._packed_head)]
+    shared = cfg.head_type == "shared"
+    if shared:
+        lins.append(_lin(drafter.out_proj))
+    if any(lin is None for lin in lins):
+        return None
+    vocab = drafter.draft_vocab
+    if vocab is not None and (vocab.dtype != torch.long or not vocab.is_contiguous() or not vocab.is_cpu):
+        return None
+    blocks = (_Lin * MAX_DRAFT_LAYERS)(*lins[2 : 2 + cfg.num_draft_layers])
+    return _Drafter(lins[0], lins[1], blocks, cfg.num_draft_layers, int(shared), lins[-1] if shared else _Lin(),
+                    lins[2 + cfg.num_draft_layers], embed_weight.data_ptr(), 0 if vocab is None else vocab.data_ptr(),
+                    cfg.hidden_size)
+
+
+_TABLES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # drafter -> (key, table or None)
+
+
+def fused_table(drafter: ReDrafter, embed_weight: torch.Tensor) -> _Drafter | None:
+    """The C description of ``drafter`` (rebuilt when a weight it points to changed), or None when
+    it cannot take the C path: a layer not on rdserve's CPU kernels (CUDA, bfloat16, torch's GEMM),
+    no restricted draft vocabulary on a ``shared`` head, or an embedding that is not a contiguous
+    float32 CPU ``[vocab, H]`` table."""
+    if (embed_weight.dtype != torch.float32 or not embed_weight.is_cpu or not embed_weight.is_contiguous()
+            or embed_weight.dim() != 2 or embed_weight.shape[1] != drafter.config.hidden_size):
+        return None
+    key = _key(drafter, embed_weight)
+    entry = _TABLES.get(drafter)
+    if entry is None or entry[0] != key:
+        entry = _TABLES[drafter] = (key, _build(drafter, embed_weight))
+    return entry[1]
+
+
+def draft_distinct_first_fused(drafter: ReDrafter, embed_weight: torch.Tensor, context: torch.Tensor,
+                               roots: torch.Tensor, num_beams: int, draft_len_per_beam: int) -> torch.Tensor | None:
+    """:func:`~workers.redrafter.beam_search.draft_distinct_first_batch` in C, or None when the drafter
+    cannot take the C path (:func:`fused_table`; the caller then runs the Python search).
+
+    Args:
+        embed_weight: the base model's input embedding ``[vocab, H] float32`` (``e`` in Sec. 3.1).
+        context: ``[B, H] float32`` base hidden states; roots: ``[B] long``.
+
+    Returns:
+        beams ``[B, width, draft_len_per_beam + 1] long``, ``width = min(num_beams, draft vocabulary)``;
+        column 0 is the root, beams ordered by their first draft token's logit.
+
+    Raises:
+        ValueError: ``num_beams`` or ``draft_len_per_beam`` below 1, or shapes that do not fit.
+        MemoryError: the kernel could not allocate its scratch memory.
+    """
+    if num_beams < 1 or draft_len_per_beam < 1:
+        raise ValueError(f"num_beams and draft_len_per_beam must be >= 1, got {num_beams}, {draft_len_per_beam}")
+    table = fused_table(drafter, embed_weight)
+    if table is None or num_beams > MAX_WIDTH:
+        return None
+    B, H = context.shape
+    if H != drafter.config.hidden_size or roots.shape != (B,):
+        raise ValueError(f"context {tuple(context.shape)} and roots {tuple(roots.shape)} do not fit a drafter of "
+                         f"hidden size {drafter.config.hidden_size}")
+    ctx = context.detach().to(torch.float32).contiguous()
+    roots = roots.to(torch.long).contiguous()
+    width = min(num_beams, table.head.N)
+    out = torch.empty(B, width, draft_len_per_beam + 1, dtype=torch.long)
+    status = build.kernel(drafter._packed_head.isa, "rd_draft_distinct_first")(
+        ctypes.addressof(table), ctx.data_ptr(), roots.data_ptr(), B, width, draft_len_per_beam, out.data_ptr())
+    if status == -1:
+        raise MemoryError(f"the drafter could not allocate scratch memory for {B * width} rows")
+    if status:
+        raise RuntimeError(f"rd_draft_distinct_first failed with status {status}")
+    return out
