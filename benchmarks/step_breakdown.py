@@ -92,6 +92,7 @@ def patch(timer: PartTimer) -> None:
     on(llama.LlamaForCausalLM, "logits", "LM head")
     on(model_runner, "draft_beams_batch", "drafting (ReDrafter beams)")
     on(model_runner, "draft_distinct_first_batch", "drafting (ReDrafter beams)")
+    on(model_runner, "draft_distinct_first_fused", "drafting (ReDrafter beams)")
     on(model_runner.ModelRunner, "_lookup_beam", "prompt lookup")
     on(model_runner, "build_prefix_tree", "tree building")
     on(model_runner, "accept_greedy", "acceptance, sampling")

@@ -142,7 +142,9 @@ def calibrate(
     rows = "off" if table == "off" else [r.model_dump() for r in table]
     console.print(f"kernel: {engine.kernel}")
     out.write_text(json.dumps({
-        "kernel": engine.kernel, "batch_sizes": batches, "context_len": context_len, "repeats": repeats,
+        "kernel": engine.kernel, "draft_search": engine.runner.draft_search,
+        "prompt_lookup_num_tokens": engine.lookup.num_tokens if engine.lookup else 0,
+        "batch_sizes": batches, "context_len": context_len, "repeats": repeats,
         "tokens_per_step": {f"{s[0]}x{s[1]}": v for s, v in tps.items()},
         "plain_step_s": plain_s,
         "spec_step_s": {f"{b}:{s[0]}x{s[1]}": v for (b, s), v in spec_s.items()},

@@ -52,24 +52,31 @@ def build_engine(cfg: RdserveConfig, tp_gpus: list[str] | None = None):
     if eng.spec_schedule == "auto" and eng.calibration_for(engine.kernel) is not None:
         field = f"engine.spec_calibration_by_kernel.{engine.kernel}" if engine.kernel in (
             eng.spec_calibration_by_kernel or {}) else "engine.spec_calibration"
-        _warn_if_measured_elsewhere(eng.calibration_for(engine.kernel), engine.kernel, field)
+        _warn_if_measured_elsewhere(eng.calibration_for(engine.kernel), engine.kernel, field, eng.draft_search)
     return engine
 
 
-def _warn_if_measured_elsewhere(calibration, kernel: str, field: str = "engine.spec_calibration") -> None:
+def _warn_if_measured_elsewhere(calibration, kernel: str, field: str = "engine.spec_calibration",
+                               draft_search: str | None = None) -> None:
     """Log a warning when the calibration file says it was measured on another compute path (its
-    step costs, and so the goodput model's choices, then belong to that path)."""
+    step costs, and so the goodput model's choices, then belong to that path), or with another
+    ``engine.draft_search`` (its tokens per step then belong to that search)."""
     import json
     import logging
 
     try:
-        measured = json.loads(open(calibration).read()).get("kernel")
+        data = json.loads(open(calibration).read())
+        measured, searched = data.get("kernel"), data.get("draft_search")
     except (OSError, ValueError, AttributeError):
         return  # unreadable files are reported by StepCosts.load
+    log = logging.getLogger(__name__)
     if measured is not None and measured != kernel:
-        logging.getLogger(__name__).warning(
-            "%s %s was measured on kernel %s, this engine runs on %s: its step costs may not "
-            "hold here; run `rdserve calibrate` on this machine", field, calibration, measured, kernel)
+        log.warning("%s %s was measured on kernel %s, this engine runs on %s: its step costs may not "
+                    "hold here; run `rdserve calibrate` on this machine", field, calibration, measured, kernel)
+    if draft_search is not None and searched is not None and searched != draft_search:
+        log.warning("%s %s was measured with engine.draft_search %s, this engine drafts with %s: its tokens "
+                    "per step may not hold; run `rdserve calibrate` with this config", field, calibration,
+                    searched, draft_search)
 
 
 def num_threads(cfg: RdserveConfig) -> int:

@@ -172,7 +172,7 @@ class ModelRunner:
         context = torch.stack([r.seq.extra["state"].hidden for r in spec])
         roots = torch.tensor([r.seq.output_token_ids[-1] for r in spec], device=context.device)
         beams = None
-        if self.draft_search == "distinct_first" or num_beams == 1 or draft_len == 1:  # the same beams then
+        if self.draft_search == "distinct_first" or num_beams == 1 or draft_len == 1:  # the same beams (up to near-ties)
             embed = getattr(self.executor, "embed_weight", None)
             if embed is not None:
                 beams = draft_distinct_first_fused(self.drafter, embed, context, roots, num_beams, draft_len)

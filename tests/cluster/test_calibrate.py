@@ -21,6 +21,7 @@ def test_calibrate_writes_the_schedule_its_figures_imply(tiny_config_path, tmp_p
     ])
     assert result.exit_code == 0, result.output
     figures = json.loads(out.read_text())
+    assert figures["draft_search"] == load_config(config).engine.draft_search  # what the tokens per step were measured with
     assert set(figures["plain_step_s"]) == {"1", "3"}
     assert set(figures["spec_step_s"]) == {"1:1x2", "1:2x2", "3:1x2", "3:2x2"}
     assert all(v > 0 for v in figures["plain_step_s"].values())
@@ -158,3 +159,16 @@ def test_calibrate_without_write_says_a_new_path_is_not_read(tiny_config_path):
     assert result.exit_code == 0, result.output
     assert "not read at start" in result.output and "no engine.spec_calibration_by_kernel." in " ".join(result.output.split())
     assert load_config(config).engine.spec_calibration_by_kernel == {"cuda": config.parent / "cuda.json"}
+
+
+def test_a_calibration_measured_elsewhere_or_with_another_draft_search_is_reported(tmp_path, caplog):
+    from cluster.local_engine import _warn_if_measured_elsewhere
+
+    cal = tmp_path / "cal.json"
+    cal.write_text(json.dumps({"kernel": "gguf-avx2-int8", "draft_search": "beam"}))
+    with caplog.at_level("WARNING", logger="cluster.local_engine"):
+        _warn_if_measured_elsewhere(cal, "gguf-avx2-int8", draft_search="beam")
+        assert not caplog.records
+        _warn_if_measured_elsewhere(cal, "gguf-avx512-int8", draft_search="distinct_first")
+    text = " ".join(r.getMessage() for r in caplog.records)
+    assert "measured on kernel gguf-avx2-int8" in text and "engine.draft_search beam" in text and len(caplog.records) == 2

@@ -11,8 +11,9 @@
  *   x = x + silu(block(x))   per residual block
  *   logits = head(out_proj(x))  ("shared" head)  or  head(x)  ("full" head)        [M, V']
  * with e the base model's input embedding of the previous token. The operations are torch's, in
- * torch's order, on the same kernels; SiLU is decoder.c's (a few ulp from torch's), so a near-tie
- * may be broken the other way: only which tokens are proposed can change, never what is accepted.
+ * torch's order, on the same kernels; SiLU is decoder.c's (a few ulp from torch's), and exact ties
+ * are ranked by index, so a near-tie may be broken the other way: only which tokens are proposed
+ * can change, never what is accepted.
  */
 #include <math.h>
 #include <stdlib.h>
@@ -30,7 +31,7 @@ typedef struct {
     rd_lin out_proj, head;
     const float *embed;                  /* [vocab, H] float32: the base model's input embedding */
     const int64_t *draft_vocab;          /* [V'] head row -> token id, or NULL (V' = vocab) */
-    long H;
+    long H, vocab;                       /* hidden size; rows of embed */
 } rd_drafter;
 
 /* x[i] = silu(x[i] + add[i]) (add may be NULL) or, with residual, x[i] += silu(add[i]); n values,
@@ -74,19 +75,27 @@ static int draft_logits(const rd_drafter *d, const float *ctx, const long *row_s
     return linear(&d->head, w->x, w->logits, M);
 }
 
-static void gather_embed(const rd_drafter *d, const int64_t *tokens, long M, long stride, float *e) {
+/* e[m] = embed[tokens[m]]; -4 when a token is outside the embedding (nothing read then). */
+static int gather_embed(const rd_drafter *d, const int64_t *tokens, long M, float *e) {
     for (long m = 0; m < M; m++)
-        memcpy(e + m * d->H, d->embed + tokens[m * stride] * d->H, sizeof(float) * (size_t)d->H);
+        if (tokens[m] < 0 || tokens[m] >= d->vocab) return -4;
+    for (long m = 0; m < M; m++)
+        memcpy(e + m * d->H, d->embed + tokens[m] * d->H, sizeof(float) * (size_t)d->H);
+    return 0;
 }
 
-/* The `width` largest of v[0 .. n), best first (ties: the lower index first; NaN never beats a number). */
+/* a ranks above b: torch's order (NaN above every number). */
+static inline int better(float a, float b) { return (isnan(a) && !isnan(b)) || a > b; }
+
+/* The `width` best of v[0 .. n) by better(), best first; equal values keep index order (torch.topk
+ * leaves the order of exact ties unspecified). */
 static void top_k(const float *v, long n, long width, long *idx) {
     float best[64];
     long filled = 0;
     for (long i = 0; i < n; i++) {
-        if (filled == width && !(v[i] > best[width - 1])) continue;
+        if (filled == width && !better(v[i], best[width - 1])) continue;
         long p = filled < width ? filled++ : width - 1;
-        while (p > 0 && (v[i] > best[p - 1] || isnan(best[p - 1]))) {
+        while (p > 0 && better(v[i], best[p - 1])) {
             best[p] = best[p - 1];
             idx[p] = idx[p - 1];
             p--;
@@ -99,23 +108,24 @@ static void top_k(const float *v, long n, long width, long *idx) {
 /* ctx: [B, H] base hidden states; roots: [B] the tokens the base model chose; out: [B, width,
  * draft_len + 1] token ids (column 0 the root), beams ordered by their first draft token's logit.
  * width <= 64 and <= V'; draft_len >= 1. Returns 0, -1 when out of memory, -2 for an unknown
- * linear kind, -3 for a width or draft_len out of range. */
+ * linear kind, -3 for a width or draft_len out of range, -4 for a token outside the embedding. */
 int rd_draft_distinct_first(const rd_drafter *d, const float *ctx, const int64_t *roots, long B, long width,
                             long draft_len, int64_t *out) {
     const long H = d->H, V = d->head.N, M = B * width, L = draft_len + 1;
     if (width < 1 || width > 64 || width > V || draft_len < 1) return -3;
     const size_t floats = (size_t)M * (size_t)(2 * 2 * H + 4 * H + V);
-    float *buf = malloc(sizeof(float) * floats + sizeof(long) * (size_t)(2 * M) + sizeof(int64_t) * (size_t)M);
-    if (!buf) return -1;
+    /* the integer arrays first: the floats after them stay 8-byte aligned whatever M and V */
+    long *row_seq = malloc(sizeof(long) * (size_t)(2 * M) + sizeof(int64_t) * (size_t)M + sizeof(float) * floats);
+    if (!row_seq) return -1;
+    long *top = row_seq + M;
+    int64_t *tok = (int64_t *)(top + M);
+    float *buf = (float *)(tok + M);
     scratch w = {buf, buf + M * 2 * H, buf + M * 4 * H, buf + M * 5 * H, buf + M * 6 * H, buf + M * 7 * H,
                  buf + M * 8 * H};
-    long *row_seq = (long *)(buf + floats), *top = row_seq + M;
-    int64_t *tok = (int64_t *)(top + M);
     int status;
     /* first draft position: B rows */
     for (long b = 0; b < B; b++) row_seq[b] = b;
-    gather_embed(d, roots, B, 1, w.e);
-    if ((status = linear(&d->rnn_w, w.e, w.s, B))) goto done;
+    if ((status = gather_embed(d, roots, B, w.e)) || (status = linear(&d->rnn_w, w.e, w.s, B))) goto done;
     if (d->rnn_u.bias) {
         for (long b = 0; b < B; b++) silu_into(w.s + b * H, d->rnn_u.bias, H, 0);
     } else {
@@ -134,13 +144,12 @@ int rd_draft_distinct_first(const rd_drafter *d, const float *ctx, const int64_t
     if (draft_len > 1) { /* every beam continues from its sequence's first-position state */
         for (long m = M - 1; m >= 0; m--) {
             row_seq[m] = m / width;
-            memmove(w.s2 + m * H, w.s + (m / width) * H, sizeof(float) * (size_t)H);
+            memcpy(w.s2 + m * H, w.s + (m / width) * H, sizeof(float) * (size_t)H);
         }
         memcpy(w.s, w.s2, sizeof(float) * (size_t)(M * H));
     }
     for (long pos = 2; pos <= draft_len; pos++) {
-        gather_embed(d, tok, M, 1, w.e);
-        if ((status = linear(&d->rnn_u, w.s, w.s2, M))) goto done;
+        if ((status = gather_embed(d, tok, M, w.e)) || (status = linear(&d->rnn_u, w.s, w.s2, M))) goto done;
         if ((status = linear(&d->rnn_w, w.e, w.s, M))) goto done;
         silu_into(w.s, w.s2, M * H, 0);
         if ((status = draft_logits(d, ctx, row_seq, M, &w))) goto done;
@@ -148,11 +157,11 @@ int rd_draft_distinct_first(const rd_drafter *d, const float *ctx, const int64_t
             const float *v = w.logits + m * V;
             long best = 0;
             for (long i = 1; i < V; i++)
-                if (v[i] > v[best] || (isnan(v[best]) && !isnan(v[i]))) best = i;
+                if (better(v[i], v[best])) best = i;
             out[m * L + pos] = tok[m] = d->draft_vocab ? d->draft_vocab[best] : best;
         }
     }
 done:
-    free(buf);
+    free(row_seq);
     return status;
 }

@@ -7,8 +7,10 @@ The Python search makes about 20 torch calls and 5 projections per draft positio
 the decoder's (a few ulp from torch's), so a near-tie between two draft tokens may be broken the
 other way. Proposals only: verification, and so the output, does not depend on them.
 
-With one beam, or one draft token per beam, ReDrafter's beam search proposes the same beams
-(:func:`~workers.redrafter.beam_search.draft_beams_batch`), so the engine takes this path then too.
+With one beam, or one draft token per beam, ReDrafter's beam search
+(:func:`~workers.redrafter.beam_search.draft_beams_batch`) proposes the same beams up to near-ties
+(it ranks log-probabilities, whose rounding can merge logits a few ulp apart), so the engine takes
+this path then too.
 """
 
 from __future__ import annotations
@@ -32,48 +34,56 @@ _L, _P = ctypes.c_long, ctypes.c_void_p
 class _Drafter(ctypes.Structure):
     _fields_ = [("rnn_w", _Lin), ("rnn_u", _Lin), ("blocks", _Lin * MAX_DRAFT_LAYERS), ("n_blocks", _L),
                 ("has_out_proj", _L), ("out_proj", _Lin), ("head", _Lin), ("embed", _P), ("draft_vocab", _P),
-                ("H", _L)]
+                ("H", _L), ("vocab", _L)]
 
 
-def _lin(m) -> _Lin | None:
+def _lin(m, in_features: int, out_features: int | None = None) -> _Lin | None:
+    """``m``'s C description, or None unless it is one of rdserve's CPU kernels with intact buffers
+    (uint8 blocks or float32 panels, a float32 bias, all contiguous on the CPU) of the given shape."""
     if type(m) is not QuantLinear and type(m) is not PackedLinear:
         return None
     kind = LINEAR_KINDS.get(m.__dict__.get("_entry", "rd_linear_packed"))
-    if kind is None:
+    panels, bias = m._buffers["panels"], m.bias
+    ok_panels = panels.dtype == (torch.uint8 if type(m) is QuantLinear else torch.float32)
+    ok_bias = bias is None or (bias.dtype == torch.float32 and bias.is_cpu and bias.is_contiguous()
+                               and bias.numel() == m.out_features)
+    if (kind is None or not ok_panels or not panels.is_cpu or not panels.is_contiguous() or not ok_bias
+            or m.in_features != in_features or (out_features is not None and m.out_features != out_features)):
         return None
-    return _Lin(kind, m.in_features, m.out_features, m._buffers["panels"].data_ptr(),
-                0 if m.bias is None else m.bias.data_ptr())
+    return _Lin(kind, m.in_features, m.out_features, panels.data_ptr(), 0 if bias is None else bias.data_ptr())
 
 
 def _key(drafter: ReDrafter, embed_weight: torch.Tensor) -> tuple:
     mods = [drafter.rnn_w, drafter.rnn_u, *[b.linear for b in drafter.lm_head[: drafter.config.num_draft_layers]],
             getattr(drafter, "out_proj", None), drafter._packed_head]
-    ptrs = tuple((id(m), None if m is None or "panels" not in m._buffers else m._buffers["panels"].data_ptr(),
-                  None if m is None or m.bias is None else m.bias.data_ptr(), m.__dict__.get("_entry") if m else None)
-                 for m in mods)
+    ptrs = []
+    for m in mods:
+        panels = None if m is None else m._buffers.get("panels")
+        ptrs.append(None if panels is None else (
+            id(m), m.__dict__.get("_entry"), panels.data_ptr(), panels.dtype, panels.numel(), m.in_features,
+            m.out_features, None if m.bias is None else (m.bias.data_ptr(), m.bias.dtype)))
     vocab = drafter.draft_vocab
-    return ptrs + ((embed_weight.data_ptr(), tuple(embed_weight.shape)),
-                   None if vocab is None else (vocab.data_ptr(), vocab.numel()))
+    return (*ptrs, (embed_weight.data_ptr(), tuple(embed_weight.shape)),
+            None if vocab is None else (vocab.data_ptr(), vocab.numel()))
 
 
 def _build(drafter: ReDrafter, embed_weight: torch.Tensor) -> _Drafter | None:
     cfg = drafter.config
-    if drafter._packed_head is None or cfg.num_draft_layers > MAX_DRAFT_LAYERS:
-        return None  # the full-vocabulary shared head is a plain tensor, not on the kernels
-    lins = [_lin(drafter.rnn_w), _lin(drafter.rnn_u), *[_lin(b.linear) for b in drafter.lm_head[: cfg.num_draft_layers]],
-            _lin(drafter._packed_head)]
-    shared = cfg.head_type == "shared"
-    if shared:
-        lins.append(_lin(drafter.out_proj))
-    if any(lin is None for lin in lins):
-        return None
     vocab = drafter.draft_vocab
-    if vocab is not None and (vocab.dtype != torch.long or not vocab.is_contiguous() or not vocab.is_cpu):
+    if drafter._packed_head is None or vocab is None or cfg.num_draft_layers > MAX_DRAFT_LAYERS:
+        return None  # the full-vocabulary heads are plain tensors, not on the kernels
+    if vocab.dtype != torch.long or not vocab.is_contiguous() or not vocab.is_cpu or not vocab.numel() or \
+            int(vocab.min()) < 0 or int(vocab.max()) >= embed_weight.shape[0]:
         return None
-    blocks = (_Lin * MAX_DRAFT_LAYERS)(*lins[2 : 2 + cfg.num_draft_layers])
-    return _Drafter(lins[0], lins[1], blocks, cfg.num_draft_layers, int(shared), lins[-1] if shared else _Lin(),
-                    lins[2 + cfg.num_draft_layers], embed_weight.data_ptr(), 0 if vocab is None else vocab.data_ptr(),
-                    cfg.hidden_size)
+    H, shared = cfg.hidden_size, cfg.head_type == "shared"
+    blocks = [_lin(b.linear, 2 * H, 2 * H) for b in drafter.lm_head[: cfg.num_draft_layers]]
+    rnn_w, rnn_u = _lin(drafter.rnn_w, H, H), _lin(drafter.rnn_u, H, H)
+    out_proj = _lin(drafter.out_proj, 2 * H, H) if shared else _Lin()
+    head = _lin(drafter._packed_head, H if shared else 2 * H, vocab.numel())
+    if any(lin is None for lin in (*blocks, rnn_w, rnn_u, out_proj, head)):
+        return None
+    return _Drafter(rnn_w, rnn_u, (_Lin * MAX_DRAFT_LAYERS)(*blocks), cfg.num_draft_layers, int(shared), out_proj,
+                    head, embed_weight.data_ptr(), vocab.data_ptr(), H, embed_weight.shape[0])
 
 
 _TABLES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # drafter -> (key, table or None)
@@ -81,9 +91,10 @@ _TABLES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # drafter ->
 
 def fused_table(drafter: ReDrafter, embed_weight: torch.Tensor) -> _Drafter | None:
     """The C description of ``drafter`` (rebuilt when a weight it points to changed), or None when
-    it cannot take the C path: a layer not on rdserve's CPU kernels (CUDA, bfloat16, torch's GEMM),
-    no restricted draft vocabulary on a ``shared`` head, or an embedding that is not a contiguous
-    float32 CPU ``[vocab, H]`` table."""
+    it cannot take the C path: a layer not on rdserve's CPU kernels (CUDA, bfloat16, torch's GEMM) or
+    of an unexpected shape, no restricted draft vocabulary (the full-vocabulary heads are plain
+    tensors) or one with ids outside the embedding, or an embedding that is not a contiguous float32
+    CPU ``[vocab, H]`` table."""
     if (embed_weight.dtype != torch.float32 or not embed_weight.is_cpu or not embed_weight.is_contiguous()
             or embed_weight.dim() != 2 or embed_weight.shape[1] != drafter.config.hidden_size):
         return None
@@ -108,7 +119,8 @@ def draft_distinct_first_fused(drafter: ReDrafter, embed_weight: torch.Tensor, c
         column 0 is the root, beams ordered by their first draft token's logit.
 
     Raises:
-        ValueError: ``num_beams`` or ``draft_len_per_beam`` below 1, or shapes that do not fit.
+        ValueError: ``num_beams`` or ``draft_len_per_beam`` below 1, shapes that do not fit, or a root
+            token outside the embedding.
         MemoryError: the kernel could not allocate its scratch memory.
     """
     if num_beams < 1 or draft_len_per_beam < 1:
@@ -120,14 +132,16 @@ def draft_distinct_first_fused(drafter: ReDrafter, embed_weight: torch.Tensor, c
     if H != drafter.config.hidden_size or roots.shape != (B,):
         raise ValueError(f"context {tuple(context.shape)} and roots {tuple(roots.shape)} do not fit a drafter of "
                          f"hidden size {drafter.config.hidden_size}")
-    ctx = context.detach().to(torch.float32).contiguous()
-    roots = roots.to(torch.long).contiguous()
+    ctx = context.detach().to("cpu", torch.float32).contiguous()
+    roots = roots.to("cpu", torch.long).contiguous()
     width = min(num_beams, table.head.N)
     out = torch.empty(B, width, draft_len_per_beam + 1, dtype=torch.long)
     status = build.kernel(drafter._packed_head.isa, "rd_draft_distinct_first")(
         ctypes.addressof(table), ctx.data_ptr(), roots.data_ptr(), B, width, draft_len_per_beam, out.data_ptr())
     if status == -1:
         raise MemoryError(f"the drafter could not allocate scratch memory for {B * width} rows")
+    if status == -4:
+        raise ValueError(f"a root token is outside the embedding's {embed_weight.shape[0]} rows: {roots.tolist()}")
     if status:
         raise RuntimeError(f"rd_draft_distinct_first failed with status {status}")
     return out

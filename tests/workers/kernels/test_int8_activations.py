@@ -19,7 +19,7 @@ from workers.kernels.prefill_bf16 import prefill_linear
 from workers.kernels.quant_linear import INT8_CPU_FLAGS, QuantLinear
 
 FORMATS = ("Q4_1", "Q8_0")
-ROWS = {"vnni": 12, "avx2": 6}  # rows per register block: vnni_gemm.h's ROWS, int8_avx2.c's ROWS_AVX2
+ROWS = {"vnni": 12, "avx2": 8}  # rows per register block: vnni_gemm.h's ROWS, int8_avx2.c's ROWS_Q4_1_AVX2 (Q8_0: 6)
 NO_VNNI = build.missing_cpu_flags(INT8_CPU_FLAGS)
 
 

@@ -95,5 +95,7 @@ def test_rejects_bad_arguments():
     d, embed = _drafter("shared", "q8_0")
     with pytest.raises(ValueError, match="num_beams"):
         draft_distinct_first_fused(d, embed, torch.randn(1, HIDDEN), torch.tensor([1]), 0, 2)
+    with pytest.raises(ValueError, match="outside the embedding"):
+        draft_distinct_first_fused(d, embed, torch.randn(1, HIDDEN), torch.tensor([VOCAB]), 2, 2)
     with pytest.raises(ValueError, match="do not fit"):
         draft_distinct_first_fused(d, embed, torch.randn(2, HIDDEN), torch.tensor([1]), 2, 2)

@@ -1,0 +1,72 @@
+"""The engine drafts in one C call (workers/redrafter/fused_draft.py) exactly when that proposes what
+its configured search proposes, the proposals are the Python search's, and greedy speculative output
+still equals plain output."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from workers import model_runner
+from workers.engine import Engine
+from workers.kernels import build
+from workers.sampling import SamplingParams
+
+pytestmark = pytest.mark.skipif(not build.available(), reason="needs rdserve's CPU kernels (a C compiler, AVX2)")
+
+VARIANT = "tied_gqa2@gguf"
+
+
+@pytest.fixture(scope="module")
+def restricted(tiny_model_dirs, trained_drafter_dirs, tmp_path_factory):
+    """(model dir, drafter dir): the tiny model's trained drafter with a draft vocabulary (the C path
+    needs one; the full-vocabulary head is a plain tensor)."""
+    model_dir = Path(tiny_model_dirs[VARIANT])
+    drafter_dir = tmp_path_factory.mktemp("restricted") / "drafter"
+    shutil.copytree(trained_drafter_dirs[VARIANT], drafter_dir, ignore=shutil.ignore_patterns("shards"))
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    (drafter_dir / "draft_vocab.json").write_text(json.dumps(list(range(vocab - 40))))
+    return model_dir, drafter_dir
+
+
+@pytest.mark.parametrize("search, beams, depth, fused", [
+    ("beam", 1, 3, True), ("beam", 3, 1, True), ("beam", 2, 2, False), ("distinct_first", 2, 3, True),
+])
+def test_the_engine_drafts_in_c_when_the_beams_are_the_same(restricted, monkeypatch, search, beams, depth, fused):
+    model_dir, drafter_dir = restricted
+    engine = Engine(str(model_dir), str(drafter_dir), num_beams=beams, draft_len_per_beam=depth, max_seq_len=256,
+                    draft_search=search)
+    assert engine.drafter.draft_vocab is not None
+    python_search = {"beam": model_runner.draft_beams_batch,
+                     "distinct_first": model_runner.draft_distinct_first_batch}[search]
+    real_fused = model_runner.draft_distinct_first_fused
+    calls = {"fused": 0, "python": 0}
+
+    def spy_fused(drafter, embed_weight, context, roots, num_beams, draft_len):
+        got = real_fused(drafter, embed_weight, context, roots, num_beams, draft_len)
+        assert got is not None, "the engine's drafter should take the C path"
+        want = python_search(drafter, lambda ids: embed_weight[ids], context, roots, num_beams, draft_len)
+        assert torch.equal(got, want)
+        calls["fused"] += 1
+        return got
+
+    def spy_python(search_fn):
+        def call(*args):
+            calls["python"] += 1
+            return search_fn(*args)
+        return call
+
+    monkeypatch.setattr(model_runner, "draft_distinct_first_fused", spy_fused)
+    monkeypatch.setattr(model_runner, "draft_beams_batch", spy_python(model_runner.draft_beams_batch))
+    monkeypatch.setattr(model_runner, "draft_distinct_first_batch", spy_python(model_runner.draft_distinct_first_batch))
+    for prompt in ([5, 17, 33, 8, 91], [200, 3, 3, 3, 150, 42, 7]):
+        params = SamplingParams(max_tokens=24)
+        plain = [t for d in engine.generate(prompt, params, "plain") for t in d.token_ids]
+        spec = [t for d in engine.generate(prompt, params, "spec") for t in d.token_ids]
+        assert spec == plain
+    assert calls["fused"] > 0 if fused else calls["fused"] == 0
+    assert calls["python"] == 0 if fused else calls["python"] > 0
