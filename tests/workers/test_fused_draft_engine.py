@@ -70,3 +70,33 @@ def test_the_engine_drafts_in_c_when_the_beams_are_the_same(restricted, monkeypa
         assert spec == plain
     assert calls["fused"] > 0 if fused else calls["fused"] == 0
     assert calls["python"] == 0 if fused else calls["python"] > 0
+
+
+def test_batched_requests_draft_together_in_c(restricted, monkeypatch):
+    """Several speculative requests in one iteration share one C draft call (a row per request), and
+    each output still equals its plain output alone."""
+    model_dir, drafter_dir = restricted
+    engine = Engine(str(model_dir), str(drafter_dir), num_beams=2, draft_len_per_beam=2, max_seq_len=256)
+    real_fused = model_runner.draft_distinct_first_fused
+    batch_sizes = []
+
+    def spy_fused(drafter, embed_weight, context, roots, num_beams, draft_len):
+        got = real_fused(drafter, embed_weight, context, roots, num_beams, draft_len)
+        want = model_runner.draft_distinct_first_batch(drafter, lambda ids: embed_weight[ids], context, roots,
+                                                       num_beams, draft_len)
+        assert torch.equal(got, want)
+        batch_sizes.append(context.shape[0])
+        return got
+
+    prompts = {f"r{i}": [7 + i, 40 + 3 * i, 11, 90 - i, 5 + 2 * i][: 2 + i] for i in range(4)}
+    params = SamplingParams(max_tokens=20)
+    want = {rid: [t for d in engine.generate(p, params, "plain") for t in d.token_ids] for rid, p in prompts.items()}
+    monkeypatch.setattr(model_runner, "draft_distinct_first_fused", spy_fused)
+    got = {rid: [] for rid in prompts}
+    for rid, p in prompts.items():
+        engine.add_request(rid, p, params, "spec")
+    while engine.num_unfinished:
+        for d in engine.step():
+            got[d.request_id] += d.token_ids
+    assert got == want
+    assert max(batch_sizes) == len(prompts)
