@@ -20,7 +20,7 @@
  *
  * Q8_0 (int8_rows): a panel's 32 output rows are done in two halves of 16 (the first, then the
  * second 64 bytes of each group), two int accumulators per activation row, up to ROWS_Q8_0_AVX2 rows.
- * Q4_1 (int8_rows_q): in four quarters of 8 (low nibbles, then high), one accumulator per row, up to
+ * Q4_1 (q4_1_rows_q): in four quarters of 8 (low nibbles, then high), one accumulator per row, up to
  * ROWS_Q4_1_AVX2 rows in the 16 ymm registers beside the weights, the broadcast and a product. With
  * two accumulators per row and 6 rows GCC spilled accumulators and hoisted broadcasts to the stack
  * inside the inner loop; the quarters reuse each broadcast 4 times from L1 and keep 8 rows in
@@ -35,7 +35,7 @@
 #include "int8_linear.h"
 
 #define ROWS_AVX2 8      /* the most rows a kernel takes (its total[] buffer) */
-#define ROWS_Q4_1_AVX2 8 /* rows per call: Q4_1 keeps one accumulator per row (int8_rows_q) */
+#define ROWS_Q4_1_AVX2 8 /* rows per call: Q4_1 keeps one accumulator per row (q4_1_rows_q) */
 #define ROWS_Q8_0_AVX2 6 /* Q8_0 two (int8_rows) */
 #define PREFETCH_AVX2 4096
 #define Q4_1_BLOCK 640  /* d[32], m[32] float16, q[8][16][4] nibble pairs (q4_1_vnni.c) */
@@ -80,6 +80,16 @@ static void quantize_avx2(const float *x, long first, long last, int8_t *a, floa
         t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
         t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
         asum[i] = (float)_mm_cvtsi128_si32(t);
+    }
+}
+
+/* y[m, 0 .. nvalid) = total[m] (+ bias) for the MR rows of a panel. */
+static inline __attribute__((always_inline)) void
+store_rows(const int MR, float total[][INT8_PANEL], const float *bias, float *y, long ldy, long nvalid) {
+    for (int m = 0; m < MR; m++) {
+        if (bias)
+            for (long j = 0; j < nvalid; j++) total[m][j] += bias[j];
+        memcpy(y + m * ldy, total[m], (size_t)nvalid * sizeof(float));
     }
 }
 
@@ -154,40 +164,23 @@ int8_rows(const int fmt, const int MR, const int8_t *a, const float *scale, cons
             }
         }
     }
-    for (int m = 0; m < MR; m++) {
-        if (bias)
-            for (long j = 0; j < nvalid; j++) total[m][j] += bias[j];
-        memcpy(y + m * ldy, total[m], (size_t)nvalid * sizeof(float));
-    }
+    store_rows(MR, total, bias, y, ldy, nvalid);
 }
 
-/* The unsigned operand (8 output rows x 4 k) of group g, quarter hj = 2 h + j of a block: Q4_1's nibbles,
- * or Q8_0's |qs| with qs itself in *sgn (for vpsignb; the quarters are used for Q4_1 only). */
-static inline __attribute__((always_inline)) __m256i operand(const int fmt, const uint8_t *blk, int g, int h, int j,
-                                                             __m256i *sgn) {
-    if (fmt == I8_Q4_1) {
-        __m256i q = _mm256_loadu_si256((const __m256i *)(blk + 128 + 64 * g + 32 * j));
-        return _mm256_and_si256(h ? _mm256_srli_epi16(q, 4) : q, _mm256_set1_epi8(0x0F));
-    }
-    *sgn = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(blk + 64 + 128 * g + 64 * h + 32 * j)),
-                            _mm256_set1_epi8((char)0x80));
-    return _mm256_abs_epi8(*sgn);
-}
-
-/* One block's products for 8 outputs (quarter 2 h + j of the panel) and MR rows: one int accumulator per
- * row, so up to ROWS_AVX2 rows stay in registers with the weights, the broadcast and a product. */
+/* One block's products for 8 outputs (quarter 2 h + j of a Q4_1 panel: low, then high nibbles) and MR
+ * rows: one int accumulator per row, so up to ROWS_AVX2 rows stay in registers with the weights, the
+ * broadcast and a product. */
 static inline __attribute__((always_inline)) void
-int8_rows_q(const int fmt, const int MR, const int8_t *a, const float *scale, const float *asum, long K,
-          const uint8_t *w, const float *bias, float *y, long ldy, long nvalid) {
+q4_1_rows_q(const int MR, const int8_t *a, const float *scale, const float *asum, long K, const uint8_t *w,
+            const float *bias, float *y, long ldy, long nvalid) {
     const long nb = K / INT8_KBLOCK;
-    const int block_bytes = fmt == I8_Q4_1 ? Q4_1_BLOCK : Q8_0_BLOCK;
-    const __m256i ones = _mm256_set1_epi16(1);
+    const __m256i ones = _mm256_set1_epi16(1), nibble = _mm256_set1_epi8(0x0F);
     float total[ROWS_AVX2][INT8_PANEL] __attribute__((aligned(32)));
     memset(total, 0, (size_t)MR * sizeof(total[0]));
     for (long b = 0; b < nb; b++) {
-        const uint8_t *blk = w + b * block_bytes;
+        const uint8_t *blk = w + b * Q4_1_BLOCK;
         const int8_t *ab = a + b * INT8_KBLOCK;
-        for (int line = 0; line < block_bytes; line += 64)
+        for (int line = 0; line < Q4_1_BLOCK; line += 64)
             _mm_prefetch((const char *)blk + PREFETCH_AVX2 + line, _MM_HINT_T0);
         for (int hj = 0; hj < 4; hj++) {
             const int h = hj >> 1, j = hj & 1;
@@ -195,45 +188,34 @@ int8_rows_q(const int fmt, const int MR, const int8_t *a, const float *scale, co
             for (int m = 0; m < MR; m++) dot[m] = _mm256_setzero_si256();
 #pragma GCC unroll 8
             for (int g = 0; g < INT8_KBLOCK / 4; g++) {
-                __m256i sgn;
-                const __m256i u = operand(fmt, blk, g, h, j, &sgn);
-                for (int m = 0; m < MR; m++) {
+                __m256i q = _mm256_loadu_si256((const __m256i *)(blk + 128 + 64 * g + 32 * j));
+                const __m256i u = _mm256_and_si256(h ? _mm256_srli_epi16(q, 4) : q, nibble);
+                for (int m = 0; m < MR; m++) { /* int16 sums over the block's groups */
                     int32_t four;
                     memcpy(&four, ab + m * K + 4 * g, 4);
-                    const __m256i av = _mm256_set1_epi32(four);
-                    if (fmt == I8_Q4_1) { /* int16 sums over the block's groups */
-                        dot[m] = _mm256_add_epi16(dot[m], _mm256_maddubs_epi16(u, av));
-                    } else {
-                        __m256i p = _mm256_maddubs_epi16(u, _mm256_sign_epi8(av, sgn));
-                        dot[m] = _mm256_add_epi32(dot[m], _mm256_madd_epi16(p, ones));
-                    }
+                    dot[m] = _mm256_add_epi16(dot[m], _mm256_maddubs_epi16(u, _mm256_set1_epi32(four)));
                 }
             }
             /* rows 16 h + 8 j .. + 7 of the panel */
             const uint16_t *dh = (const uint16_t *)blk + 16 * h + 8 * j;
             const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)dh));
-            const __m256 mm = fmt == I8_Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dh + 32)))
-                                             : _mm256_setzero_ps();
+            const __m256 mm = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dh + 32)));
             for (int m = 0; m < MR; m++) {
                 const __m256 s = _mm256_set1_ps(scale[m * nb + b]), sa = _mm256_set1_ps(asum[m * nb + b]);
-                __m256i D = fmt == I8_Q4_1 ? _mm256_madd_epi16(dot[m], ones) : dot[m];
-                __m256 c = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(D), _mm256_mul_ps(mm, sa));
+                __m256 c = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_madd_epi16(dot[m], ones)), _mm256_mul_ps(mm, sa));
                 float *t = total[m] + 8 * hj;
                 _mm256_store_ps(t, _mm256_fmadd_ps(c, s, _mm256_load_ps(t)));
             }
         }
     }
-    for (int m = 0; m < MR; m++) {
-        if (bias)
-            for (long j = 0; j < nvalid; j++) total[m][j] += bias[j];
-        memcpy(y + m * ldy, total[m], (size_t)nvalid * sizeof(float));
-    }
+    store_rows(MR, total, bias, y, ldy, nvalid);
 }
 
 #define I8_KERNEL(NAME, FMT, MR)                                                                              \
     static void NAME##_k##MR(const int8_t *a, const float *scale, const float *asum, long K, const uint8_t *w, \
                              const float *bias, float *y, long ldy, long nvalid) {                            \
-        if (FMT == I8_Q4_1) int8_rows_q(FMT, MR, a, scale, asum, K, w, bias, y, ldy, nvalid); else int8_rows(FMT, MR, a, scale, asum, K, w, bias, y, ldy, nvalid); }
+        if (FMT == I8_Q4_1) q4_1_rows_q(MR, a, scale, asum, K, w, bias, y, ldy, nvalid);                     \
+        else int8_rows(FMT, MR, a, scale, asum, K, w, bias, y, ldy, nvalid); }
 #define I8_KERNELS(NAME, FMT)                                                                                 \
     I8_KERNEL(NAME, FMT, 1) I8_KERNEL(NAME, FMT, 2) I8_KERNEL(NAME, FMT, 3) I8_KERNEL(NAME, FMT, 4)           \
     I8_KERNEL(NAME, FMT, 5) I8_KERNEL(NAME, FMT, 6) I8_KERNEL(NAME, FMT, 7) I8_KERNEL(NAME, FMT, 8)           \
