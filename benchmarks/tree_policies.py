@@ -1,0 +1,147 @@
+"""Which draft tree pays on this machine: exact tokens per step of many tree policies, priced with
+measured step costs (``cluster.evaluation.tree_sim``).
+
+The engine decodes the prompts plainly and greedily once (batch 1, the serving path), keeping each
+response token's hidden state; the drafter then proposes, from those hidden states, what it would
+draft after every response token (distinct first tokens, each continued greedily: the engine's
+``draft_search: distinct_first``), and the prompt-lookup beam is matched on the context as the engine
+does (``workers.redrafter.prompt_lookup``, its length doubling after a beam accepted whole). Each
+policy (beams x drafted tokens, lookup length) is replayed over the responses with exact greedy
+acceptance, and priced with the step-time table of ``benchmarks/tree_costs.py`` (``--costs``): the
+decode-phase speedup over plain decoding it would reach here, prefill excluded.
+
+Usage:
+    python benchmarks/tree_costs.py --config configs/local.yaml --out benchmarks/results/tree_costs
+    python benchmarks/tree_policies.py --config configs/local.yaml --prompts ../shared/datasets/broad/dev.jsonl \\
+        --prompts-per-category 8 --costs benchmarks/results/tree_costs.json --out benchmarks/results/tree_policies
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+from bench_report import write_report
+from tqdm import tqdm
+
+from cluster.config import load_config
+from cluster.evaluation.tree_sim import Replay, StepCosts, replay
+from cluster.local_engine import build_engine
+from workers.redrafter.prompt_lookup import NgramIndex, PromptLookup
+from workers.training.engine_data import generate_batch_engine
+from workers.training.prompt_sources import first_per_category
+
+
+@torch.inference_mode()
+def drafter_chains(engine, hidden: torch.Tensor, tokens: list[int], width: int, depth: int) -> list[list[list[int]]]:
+    """Per response position ``i``: the drafter's ``width`` most likely first tokens after token ``i``
+    (context ``hidden[i]``), each continued greedily to ``depth`` tokens: ``[i][beam] -> tokens``."""
+    drafter, embed = engine.drafter, engine.executor.embed
+    vocab = drafter.draft_vocab
+    ctx = hidden.float()
+    state = drafter.first_state(embed(torch.tensor(tokens)))
+    top = drafter.logits(ctx, state).topk(width, dim=-1).indices  # [n, width]
+    chains = []
+    for j in range(width):
+        cur = top[:, j] if vocab is None else vocab[top[:, j]]
+        s, beam = state, [cur]
+        for _ in range(depth - 1):
+            s = drafter.step_state(s, embed(cur))
+            nxt = drafter.logits(ctx, s).argmax(-1)
+            cur = nxt if vocab is None else vocab[nxt]
+            beam.append(cur)
+        chains.append(torch.stack(beam, 1))  # [n, depth]
+    return [[chains[j][i].tolist() for j in range(width)] for i in range(len(tokens))]
+
+
+class TreePolicy:
+    """``num_beams`` distinct first tokens x ``draft_len`` tokens, plus a prompt-lookup beam of
+    ``lookup.num_tokens`` (None: none) whose length follows :meth:`PromptLookup.next_length`."""
+
+    def __init__(self, chains, num_beams: int, draft_len: int, lookup: PromptLookup | None, prompt: list[int]):
+        self.chains, self.num_beams, self.draft_len, self.lookup = chains, num_beams, draft_len, lookup
+        self.index = NgramIndex(lookup.min_n, lookup.max_n) if lookup else None
+        self.prompt_len = len(prompt)
+        self.length = lookup.num_tokens if lookup else 0
+        self.beam: list[int] = []
+
+    def __call__(self, i: int, context):
+        beams = [c[: self.draft_len] for c in self.chains[i][: self.num_beams]]
+        self.beam = []
+        if self.index is not None:
+            self.index.sync(list(context[: self.prompt_len]), list(context[self.prompt_len:]))
+            self.beam = self.index.propose(self.length)
+            if self.beam:
+                beams.append(self.beam)
+        return beams, self.draft_len
+
+    def observe(self, accepted: list[int]) -> None:
+        if self.beam:
+            self.length = self.lookup.next_length(self.length, accepted[: len(self.beam)] == self.beam)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default="configs/local.yaml")
+    ap.add_argument("--prompts", required=True, help="JSONL prompts ('messages' or 'prompt', 'category'), e.g. "
+                    "../shared/datasets/broad/dev.jsonl (never a training split)")
+    ap.add_argument("--prompts-per-category", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--costs", required=True, help="JSON of benchmarks/tree_costs.py (measured on this machine)")
+    ap.add_argument("--shapes", default="1x1,1x2,1x3,2x1,2x2", help="num_beams x draft_len_per_beam, comma-separated")
+    ap.add_argument("--lookup", default="0,1,2,3,4,8,2:8,3:8", help="prompt-lookup beam lengths, comma-separated: N "
+                    "(0: none) or N:M (N tokens, doubling up to M after a beam accepted whole: "
+                    "engine.prompt_lookup_max_num_tokens)")
+    ap.add_argument("--out", default="benchmarks/results/tree_policies")
+    args = ap.parse_args()
+
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    lookups = [tuple(int(x) for x in v.split(":")) for v in args.lookup.split(",")]
+    if any(len(s) != 2 or min(s) < 1 for s in shapes) or any(len(k) > 2 or min(k) < 0 for k in lookups):
+        ap.error("--shapes takes BxD with B, D >= 1; --lookup takes N or N:M with N, M >= 0")
+    cost_json = json.loads(Path(args.costs).read_text())
+    costs = StepCosts(cost_json["plain_ms"], tuple(cost_json["tree_ms"]), cost_json.get("draft_position_ms", 0.0))
+
+    cfg = load_config(args.config)
+    engine = build_engine(cfg)
+    if engine.drafter is None:
+        raise SystemExit(f"{args.config}: no drafter (drafter.path), nothing to replay")
+    e = cfg.engine
+    source = [json.loads(line) for line in Path(args.prompts).read_text().split("\n") if line.strip()]
+    prompts = [p for ps in first_per_category(source, args.prompts_per_category).values() for p in ps]
+    width, depth = max(s[0] for s in shapes), max(s[1] for s in shapes)
+    records = []
+    for p in tqdm(prompts, desc="greedy responses", unit="prompt"):
+        ids = engine.encode_chat(p["messages"]) if "messages" in p else engine.encode_prompt(p["prompt"])
+        tokens, hidden = generate_batch_engine(engine, [ids], args.max_tokens)[0]
+        records.append((p.get("category", "unknown"), ids, tokens, drafter_chains(engine, hidden, tokens, width, depth)))
+
+    results = {}
+    for b, d in shapes:
+        for k, *grow in lookups:
+            lookup = PromptLookup(e.prompt_lookup_min, e.prompt_lookup_max, k, grow[0] if grow else None) if k else None
+            total = Replay()
+            for _, ids, tokens, chains in records:
+                replay(ids, tokens, TreePolicy(chains, b, d, lookup, ids), costs, into=total)
+            name = f"{b}x{d}, lookup {k}" + (f" growing to {grow[0]}" if grow else "")
+            results[name] = {"tokens_per_step": total.tokens_per_step, "rows_per_step": total.rows_per_step,
+                             "decode_speedup": total.decode_speedup}
+    best = max(results, key=lambda n: results[n]["decode_speedup"])
+    lines = [f"{len(records)} prompts of {args.prompts}, max_tokens {args.max_tokens}, greedy; costs {args.costs} "
+             f"(plain {costs.plain_ms:.2f} ms, trees {', '.join(f'{t:.2f}' for t in costs.tree_ms)} ms from 2 rows, "
+             f"+{costs.draft_position_ms:.2f} ms per further drafted position)", "",
+             "| policy | tokens/step | rows/step | decode speedup (modelled) |", "|---|---|---|---|"]
+    for name, r in results.items():
+        mark = " **best**" if name == best else ""
+        lines.append(f"| {name}{mark} | {r['tokens_per_step']:.3f} | {r['rows_per_step']:.2f} | {r['decode_speedup']:.3f}x |")
+    table = "\n".join(lines)
+    print(table)
+    write_report(args.out, table, {"results": results, "best": best, "costs": cost_json, "prompts": args.prompts,
+                                   "prompts_per_category": args.prompts_per_category, "max_tokens": args.max_tokens,
+                                   "config": args.config})
+
+
+if __name__ == "__main__":
+    main()
