@@ -44,6 +44,10 @@ def main() -> None:
     args = ap.parse_args()
     if args.max_width < 2:
         ap.error("--max-width must be at least 2 (the root and one drafted token)")
+    if args.rounds < 1:
+        ap.error("--rounds must be at least 1")
+    if args.max_tokens < 8:
+        ap.error("--max-tokens must be at least 8 (the first two steps are left out of each median)")
 
     cfg = load_config(args.config)
     extra = args.max_width - 2

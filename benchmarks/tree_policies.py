@@ -40,9 +40,12 @@ def drafter_chains(engine, hidden: torch.Tensor, tokens: list[int], width: int, 
     (context ``hidden[i]``), each continued greedily to ``depth`` tokens: ``[i][beam] -> tokens``."""
     drafter, embed = engine.drafter, engine.executor.embed
     vocab = drafter.draft_vocab
-    ctx = hidden.float()
-    state = drafter.first_state(embed(torch.tensor(tokens)))
-    top = drafter.logits(ctx, state).topk(width, dim=-1).indices  # [n, width]
+    dtype = next((t.dtype for t in drafter.parameters()), torch.float32)  # packed CPU layers: buffers only
+    ctx = hidden.to(engine.executor.device, dtype)
+    state = drafter.first_state(embed(torch.tensor(tokens, device=engine.executor.device)))
+    logits = drafter.logits(ctx, state)
+    top = logits.topk(min(width, logits.shape[-1]), dim=-1).indices  # [n, width]
+    width = top.shape[1]
     chains = []
     for j in range(width):
         cur = top[:, j] if vocab is None else vocab[top[:, j]]
@@ -53,7 +56,7 @@ def drafter_chains(engine, hidden: torch.Tensor, tokens: list[int], width: int, 
             cur = nxt if vocab is None else vocab[nxt]
             beam.append(cur)
         chains.append(torch.stack(beam, 1))  # [n, depth]
-    return [[chains[j][i].tolist() for j in range(width)] for i in range(len(tokens))]
+    return [[chains[j][i].cpu().tolist() for j in range(width)] for i in range(len(tokens))]
 
 
 class TreePolicy:
@@ -67,12 +70,12 @@ class TreePolicy:
         self.length = lookup.num_tokens if lookup else 0
         self.beam: list[int] = []
 
-    def __call__(self, i: int, context):
-        beams = [c[: self.draft_len] for c in self.chains[i][: self.num_beams]]
+    def __call__(self, i: int, context, limit: int):
+        beams = [c[: min(self.draft_len, limit)] for c in self.chains[i][: self.num_beams]]
         self.beam = []
-        if self.index is not None:
+        if self.index is not None:  # as ModelRunner._draft: the beam's length, cut to the budget
             self.index.sync(list(context[: self.prompt_len]), list(context[self.prompt_len:]))
-            self.beam = self.index.propose(self.length)
+            self.beam = self.index.propose(min(self.length, limit))
             if self.beam:
                 beams.append(self.beam)
         return beams, self.draft_len
@@ -97,18 +100,37 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results/tree_policies")
     args = ap.parse_args()
 
-    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
-    lookups = [tuple(int(x) for x in v.split(":")) for v in args.lookup.split(",")]
-    if any(len(s) != 2 or min(s) < 1 for s in shapes) or any(len(k) > 2 or min(k) < 0 for k in lookups):
-        ap.error("--shapes takes BxD with B, D >= 1; --lookup takes N or N:M with N, M >= 0")
-    cost_json = json.loads(Path(args.costs).read_text())
-    costs = StepCosts(cost_json["plain_ms"], tuple(cost_json["tree_ms"]), cost_json.get("draft_position_ms", 0.0))
-
+    try:
+        shapes = list(dict.fromkeys(tuple(int(v) for v in s.lower().split("x")) for s in args.shapes.split(",")))
+        lookups = list(dict.fromkeys(tuple(int(x) for x in v.split(":")) for v in args.lookup.split(",")))
+        if any(len(s) != 2 or min(s) < 1 for s in shapes):
+            raise ValueError(args.shapes)
+    except ValueError:
+        ap.error(f"--shapes takes B x D pairs such as 1x1,2x2 with B, D >= 1; got {args.shapes!r}")
+    if args.max_tokens < 2:
+        ap.error("--max-tokens must be at least 2 (a response of one token has no decode step)")
+    if not Path(args.prompts).is_file():
+        ap.error(f"--prompts {args.prompts}: no such file")
     cfg = load_config(args.config)
+    e = cfg.engine
+    policies_lookup = {}
+    for k in lookups:
+        if len(k) > 2 or k[0] < 0 or (k[0] == 0 and len(k) == 2):
+            ap.error(f"--lookup takes N (0: none) or N:M with 1 <= N <= M; got {':'.join(map(str, k))}")
+        try:
+            grow = k[1] if len(k) == 2 else None
+            policies_lookup[k] = PromptLookup(e.prompt_lookup_min, e.prompt_lookup_max, k[0], grow) if k[0] else None
+        except ValueError as err:
+            ap.error(f"--lookup {':'.join(map(str, k))}: {err}")
+    try:
+        cost_json = json.loads(Path(args.costs).read_text())
+        costs = StepCosts(cost_json["plain_ms"], tuple(cost_json["tree_ms"]), cost_json.get("draft_position_ms", 0.0))
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        ap.error(f"--costs {args.costs}: not a cost table of benchmarks/tree_costs.py ({err!r})")
+
     engine = build_engine(cfg)
     if engine.drafter is None:
         raise SystemExit(f"{args.config}: no drafter (drafter.path), nothing to replay")
-    e = cfg.engine
     source = [json.loads(line) for line in Path(args.prompts).read_text().split("\n") if line.strip()]
     prompts = [p for ps in first_per_category(source, args.prompts_per_category).values() for p in ps]
     width, depth = max(s[0] for s in shapes), max(s[1] for s in shapes)
@@ -120,11 +142,10 @@ def main() -> None:
 
     results = {}
     for b, d in shapes:
-        for k, *grow in lookups:
-            lookup = PromptLookup(e.prompt_lookup_min, e.prompt_lookup_max, k, grow[0] if grow else None) if k else None
+        for (k, *grow), lookup in policies_lookup.items():
             total = Replay()
             for _, ids, tokens, chains in records:
-                replay(ids, tokens, TreePolicy(chains, b, d, lookup, ids), costs, into=total)
+                replay(ids, tokens, TreePolicy(chains, b, d, lookup, ids), costs, args.max_tokens, into=total)
             name = f"{b}x{d}, lookup {k}" + (f" growing to {grow[0]}" if grow else "")
             results[name] = {"tokens_per_step": total.tokens_per_step, "rows_per_step": total.rows_per_step,
                              "decode_speedup": total.decode_speedup}

@@ -68,9 +68,11 @@ class StepCosts:
         return base + self.draft_position_ms * max(0, positions - 1)
 
 
-Policy = Callable[[int, Sequence[int]], tuple[list[Beam], int]]
-"""``policy(i, context) -> (beams, drafted positions)`` for the step after response token ``i``;
-``context`` is the prompt plus the response up to and including token ``i``. A policy with state
+Policy = Callable[[int, Sequence[int], int], tuple[list[Beam], int]]
+"""``policy(i, context, limit) -> (beams, drafted positions)`` for the step after response token
+``i``; ``context`` is the prompt plus the response up to and including token ``i``; ``limit`` is the
+most tokens a beam may draft (the engine's: ``max_tokens`` less the tokens emitted, less one for the
+bonus; a policy cuts its beams to it, as ``ModelRunner._draft`` does). A policy with state
 (a prompt-lookup beam whose length follows its acceptance) may also have ``observe(accepted)``,
 called after each step with the accepted draft tokens."""
 
@@ -100,30 +102,41 @@ class Replay:
 
 
 def replay(prompt: Sequence[int], response: Sequence[int], policy: Policy, costs: StepCosts,
-           into: Replay | None = None) -> Replay:
+           max_tokens: int | None = None, into: Replay | None = None) -> Replay:
     """Speculative decoding of ``response`` (greedy, batch 1) under ``policy``, added to ``into``.
 
-    The first response token comes from the prefill; each later step starts after token ``i``,
-    accepts :func:`accepted_length` of the policy's beams (cut to the tokens left) and emits the
-    bonus token as well, as the engine does.
+    ``response`` is what plain greedy decoding emitted with ``max_tokens`` (None: ``len(response)``,
+    a response cut by its length); one that ends earlier ends with its stop token. The first token
+    comes from the prefill. Each later step starts after token ``i`` as ``Engine.step`` does: with
+    ``max_tokens - (i + 1) - 1`` draft tokens allowed (none: a plain step), it accepts
+    :func:`accepted_length` of the policy's beams and the bonus token, of which only those up to the
+    response's end are emitted (the engine drops what follows a stop token).
+
+    Raises:
+        ValueError: ``max_tokens`` below the response's length.
     """
+    n = len(response)
+    max_tokens = n if max_tokens is None else max_tokens
+    if max_tokens < n:
+        raise ValueError(f"max_tokens {max_tokens} is below the response's {n} tokens")
     out = into if into is not None else Replay()
     context = list(prompt) + list(response[:1])
-    i, n = 0, len(response)
+    i = 0
     while i < n - 1:
-        beams, positions = policy(i, context)
-        left = n - 1 - i
-        beams = [b[:left] for b in beams if b]
+        limit = max_tokens - (i + 1) - 1
+        beams, positions = policy(i, context, limit) if limit >= 1 else ([], 0)
+        beams = [b[:limit] for b in beams if b and limit >= 1]
         accepted = accepted_length(beams, response[i + 1:]) if beams else 0
+        emitted = min(accepted + 1, n - 1 - i)
         rows = tree_rows(beams)
         out.steps += 1
-        out.tokens += accepted + 1
+        out.tokens += emitted
         out.rows += rows
         out.spec_ms += costs.spec_ms(rows, positions) if beams else costs.plain_ms
-        out.plain_ms += costs.plain_ms * (accepted + 1)
+        out.plain_ms += costs.plain_ms * emitted
         observe = getattr(policy, "observe", None)
-        if observe is not None:
+        if observe is not None and limit >= 1:  # a plain step tells a policy nothing
             observe(list(response[i + 1 : i + 1 + accepted]))
-        context.extend(response[i + 1 : i + accepted + 2])
-        i += accepted + 1
+        context.extend(response[i + 1 : i + 1 + emitted])
+        i += emitted
     return out

@@ -140,7 +140,10 @@ def test_bursts_are_spread_over_both_replicas_and_outputs_equal_solo_outputs(two
     for _ in range(3):
         burst = asyncio.run(post_all(two_replicas, bodies))
         served = Counter(r["rdserve"]["replica"] for r in burst)
-        assert len(served) == 2 and max(served.values()) - min(served.values()) <= 2, served
+        # Spread, not necessarily even: the router also weighs each replica's measured step time
+        # (``speed_factors``), and two replicas decoding side by side on 2 cores measure different
+        # speeds (a CI run split a burst 6/2); all 8 on one replica would mean the burst was not spread.
+        assert len(served) == 2 and min(served.values()) >= 2, served
         for s, t in zip(solo, burst):
             assert t["choices"][0]["text"] == s["choices"][0]["text"]
             assert t["usage"] == s["usage"]

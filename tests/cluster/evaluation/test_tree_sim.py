@@ -36,29 +36,58 @@ def test_replay_walks_the_response_as_the_engine_would():
     seen = []
 
     class Oracle:  # drafts the next two true tokens
-        def __call__(self, i, context):
-            seen.append((i, list(context)))
+        def __call__(self, i, context, limit):
+            seen.append((i, list(context), limit))
             return [response[i + 1 : i + 3]], 2
 
         def observe(self, accepted):
             seen.append(("observed", accepted))
 
     costs = StepCosts(plain_ms=10.0, tree_ms=(15.0, 20.0))
-    r = replay(prompt, response, Oracle(), costs)
-    # token 0 from the prefill; steps after tokens 0, 3, 6 accept 2 + bonus; the last stops at the end
+    r = replay(prompt, response, Oracle(), costs, max_tokens=20)  # ended by its stop token (9)
+    # token 0 from the prefill; steps after tokens 0, 3, 6 accept 2 + bonus and reach the end
     assert (r.steps, r.tokens, r.rows) == (3, 9, 9)
     assert r.tokens_per_step == 3.0 and r.rows_per_step == 3.0
     assert r.decode_speedup == pytest.approx(90.0 / 60.0)
-    assert seen[0] == (0, prompt + response[:1]) and seen[1] == ("observed", [1, 2])
-    assert seen[2] == (3, prompt + response[:4])
+    assert seen[0] == (0, prompt + response[:1], 18) and seen[1] == ("observed", [1, 2])
+    assert seen[2] == (3, prompt + response[:4], 15)
+
+
+def test_replay_keeps_the_engines_draft_limit_at_max_tokens():
+    response = [0, 1, 2, 3]  # cut by max_tokens 4: after token i the engine drafts at most 4 - (i + 1) - 1
+    limits = []
+
+    def oracle(i, context, limit):
+        limits.append(limit)
+        return [response[i + 1 : i + 1 + limit] + [99, 99]], 2
+
+    r = replay([], response, oracle, StepCosts(10.0, (15.0, 20.0, 25.0)), max_tokens=4)
+    # after token 0: 2 drafted (cut from 4), both accepted, bonus 3 -> done; no token counted past the end
+    assert limits == [2] and (r.steps, r.tokens, r.rows) == (1, 3, 3)
+    short = replay([], response, lambda i, c, limit: ([[response[i + 1]]], 1) if i == 0 else ([[7]], 1),
+                   StepCosts(10.0, (15.0,)), max_tokens=4)
+    # after token 0: 1 accepted + bonus (token 2); after token 2 nothing may be drafted: a plain step
+    assert (short.steps, short.tokens, short.rows) == (2, 3, 3)
+    assert short.spec_ms == pytest.approx(15.0 + 10.0)
+    with pytest.raises(ValueError, match="below the response"):
+        replay([], response, oracle, StepCosts(10.0, (15.0,)), max_tokens=3)
+
+
+def test_replay_emits_nothing_past_a_stop_token():
+    response = [0, 1, 2]  # 2 is the stop token; max_tokens allowed more
+    r = replay([], response, lambda i, c, limit: ([[1, 2, 5, 6]], 4), StepCosts(10.0, (12.0, 14.0, 16.0, 18.0)),
+               max_tokens=10)
+    # the whole rest is drafted and accepted; the bonus after the stop token is dropped, as the engine does
+    assert (r.steps, r.tokens, r.rows) == (1, 2, 5)
 
 
 def test_replay_of_a_policy_that_never_matches_is_one_token_per_step_and_pays_for_its_rows():
     response = [1, 2, 3, 4]
-    r = replay([], response, lambda i, ctx: ([[99, 98]], 2), StepCosts(10.0, (12.0, 14.0), 1.0))
+    r = replay([], response, lambda i, ctx, limit: ([[99, 98][:limit]], 2), StepCosts(10.0, (12.0, 14.0), 1.0))
     assert (r.steps, r.tokens) == (3, 3)
-    # the last step has one token left: a 2-row tree, still two drafted positions (the engine drafts, then cuts)
-    assert r.spec_ms == pytest.approx((14.0 + 1.0) * 2 + 12.0 + 1.0)
+    # max_tokens = 4: after token 0 two tokens may be drafted, after token 1 one (a 2-row tree, still two
+    # drafted positions: the engine drafts, then cuts), after token 2 none (a plain step)
+    assert r.spec_ms == pytest.approx((14.0 + 1.0) + (12.0 + 1.0) + 10.0)
     assert r.decode_speedup < 1.0
-    both = replay([], response, lambda i, ctx: ([], 0), StepCosts(10.0, (12.0,)), into=Replay(steps=1, tokens=1))
+    both = replay([], response, lambda i, ctx, limit: ([], 0), StepCosts(10.0, (12.0,)), into=Replay(steps=1, tokens=1))
     assert (both.steps, both.tokens, both.decode_speedup) == (4, 4, pytest.approx(1.0))
