@@ -102,11 +102,14 @@ def main() -> None:
 
     try:
         shapes = list(dict.fromkeys(tuple(int(v) for v in s.lower().split("x")) for s in args.shapes.split(",")))
-        lookups = list(dict.fromkeys(tuple(int(x) for x in v.split(":")) for v in args.lookup.split(",")))
         if any(len(s) != 2 or min(s) < 1 for s in shapes):
             raise ValueError(args.shapes)
     except ValueError:
         ap.error(f"--shapes takes B x D pairs such as 1x1,2x2 with B, D >= 1; got {args.shapes!r}")
+    try:
+        lookups = list(dict.fromkeys(tuple(int(x) for x in v.split(":")) for v in args.lookup.split(",")))
+    except ValueError:
+        ap.error(f"--lookup takes lengths N or N:M such as 0,4,2:8; got {args.lookup!r}")
     if args.max_tokens < 2:
         ap.error("--max-tokens must be at least 2 (a response of one token has no decode step)")
     if not Path(args.prompts).is_file():
