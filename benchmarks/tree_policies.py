@@ -29,6 +29,7 @@ from tqdm import tqdm
 from cluster.config import load_config
 from cluster.evaluation.tree_sim import Replay, StepCosts, replay
 from cluster.local_engine import build_engine
+from workers.redrafter.beam_search import draft_distinct_first_batch
 from workers.redrafter.prompt_lookup import NgramIndex, PromptLookup
 from workers.training.engine_data import generate_batch_engine
 from workers.training.prompt_sources import first_per_category
@@ -37,26 +38,13 @@ from workers.training.prompt_sources import first_per_category
 @torch.inference_mode()
 def drafter_chains(engine, hidden: torch.Tensor, tokens: list[int], width: int, depth: int) -> list[list[list[int]]]:
     """Per response position ``i``: the drafter's ``width`` most likely first tokens after token ``i``
-    (context ``hidden[i]``), each continued greedily to ``depth`` tokens: ``[i][beam] -> tokens``."""
-    drafter, embed = engine.drafter, engine.executor.embed
-    vocab = drafter.draft_vocab
-    dtype = next((t.dtype for t in drafter.parameters()), torch.float32)  # packed CPU layers: buffers only
-    ctx = hidden.to(engine.executor.device, dtype)
-    state = drafter.first_state(embed(torch.tensor(tokens, device=engine.executor.device)))
-    logits = drafter.logits(ctx, state)
-    top = logits.topk(min(width, logits.shape[-1]), dim=-1).indices  # [n, width]
-    width = top.shape[1]
-    chains = []
-    for j in range(width):
-        cur = top[:, j] if vocab is None else vocab[top[:, j]]
-        s, beam = state, [cur]
-        for _ in range(depth - 1):
-            s = drafter.step_state(s, embed(cur))
-            nxt = drafter.logits(ctx, s).argmax(-1)
-            cur = nxt if vocab is None else vocab[nxt]
-            beam.append(cur)
-        chains.append(torch.stack(beam, 1))  # [n, depth]
-    return [[chains[j][i].cpu().tolist() for j in range(width)] for i in range(len(tokens))]
+    (context ``hidden[i]``), each continued greedily to ``depth`` tokens (the engine's
+    :func:`~workers.redrafter.beam_search.draft_distinct_first_batch`): ``[i][beam] -> tokens``."""
+    dtype = next((t.dtype for t in engine.drafter.parameters()), torch.float32)  # packed CPU layers: buffers only
+    device = engine.executor.device
+    beams = draft_distinct_first_batch(engine.drafter, engine.executor.embed, hidden.to(device, dtype),
+                                       torch.tensor(tokens, device=device), width, depth)
+    return beams[:, :, 1:].cpu().tolist()  # column 0 is the root
 
 
 class TreePolicy:
