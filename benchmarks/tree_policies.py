@@ -27,7 +27,7 @@ from bench_report import write_report
 from tqdm import tqdm
 
 from cluster.config import load_config
-from cluster.evaluation.tree_sim import Replay, StepCosts, replay
+from cluster.evaluation.tree_sim import Replay, RowCosts, replay
 from cluster.local_engine import build_engine
 from workers.redrafter.beam_search import draft_distinct_first_batch
 from workers.redrafter.prompt_lookup import NgramIndex, PromptLookup
@@ -115,7 +115,7 @@ def main() -> None:
             ap.error(f"--lookup {':'.join(map(str, k))}: {err}")
     try:
         cost_json = json.loads(Path(args.costs).read_text())
-        costs = StepCosts(cost_json["plain_ms"], tuple(cost_json["tree_ms"]), cost_json.get("draft_position_ms", 0.0))
+        costs = RowCosts(cost_json["plain_ms"], tuple(cost_json["tree_ms"]), cost_json.get("draft_position_ms", 0.0))
     except (OSError, ValueError, KeyError, TypeError) as err:
         ap.error(f"--costs {args.costs}: not a cost table of benchmarks/tree_costs.py ({err!r})")
 

@@ -41,7 +41,7 @@ def tree_rows(beams: Sequence[Beam]) -> int:
 
 
 @dataclass(frozen=True)
-class StepCosts:
+class RowCosts:
     """Measured decode-step time at batch 1 (milliseconds).
 
     plain_ms: a plain step. tree_ms: ``tree_ms[r - 2]`` is a speculative step verifying ``r`` rows
@@ -101,7 +101,7 @@ class Replay:
         return self.plain_ms / self.spec_ms if self.spec_ms else 0.0
 
 
-def replay(prompt: Sequence[int], response: Sequence[int], policy: Policy, costs: StepCosts,
+def replay(prompt: Sequence[int], response: Sequence[int], policy: Policy, costs: RowCosts,
            max_tokens: int | None = None, into: Replay | None = None) -> Replay:
     """Speculative decoding of ``response`` (greedy, batch 1) under ``policy``, added to ``into``.
 
