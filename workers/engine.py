@@ -15,6 +15,7 @@ thread for servers.
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -32,7 +33,7 @@ from workers.models.tokenizer import apply_chat_template, load_tokenizer
 from workers.redrafter.beam_search import DRAFT_SEARCHES
 from workers.redrafter.drafter import load_drafter
 from workers.redrafter.prompt_lookup import PromptLookup
-from workers.sampling import SamplingParams, make_generator
+from workers.sampling import SamplingParams
 from workers.scheduler import Scheduler, SchedulerConfig
 from workers.sequence import Sequence
 from workers.spec_schedule import TablePolicy, fixed_schedule, validate_schedule
@@ -338,8 +339,8 @@ class Engine:
         budget = min(params.max_tokens, self.max_seq_len - n_prompt)
         params = replace(params, max_tokens=budget)
         seq = Sequence(request_id, list(prompt_ids), budget, speculative=mode == "spec")
-        generator = None if params.greedy else make_generator(params.seed, self.device)
-        seq.extra["state"] = RequestState(params, generator)
+        seed = None if params.greedy else params.seed if params.seed is not None else secrets.randbits(64)
+        seq.extra["state"] = RequestState(params, seed)
         seq.extra["stream"] = OutputStream(self.tokenizer, params, self.eos_token_ids)
         seq.extra["steps"] = seq.extra["accepted"] = 0
         seq.extra["spec_state"] = self.spec_policy.new_request_state()

@@ -32,7 +32,7 @@ from workers.redrafter.fused_draft import draft_distinct_first_fused
 from workers.redrafter.drafter import ReDrafter
 from workers.redrafter.prompt_lookup import NgramIndex, PromptLookup
 from workers.redrafter.tree import PrefixTree, build_prefix_tree
-from workers.sampling import SamplingParams, adjusted_probs, sample
+from workers.sampling import SamplingParams, adjusted_probs, keyed_uniform, sample_keyed
 from workers.sequence import Sequence
 
 
@@ -63,7 +63,7 @@ class RequestState:
     """
 
     params: SamplingParams
-    generator: torch.Generator | None
+    seed: int | None  # sampled requests: keys every draw (workers.sampling.keyed_uniform); greedy: None
     hidden: torch.Tensor | None = None
 
 
@@ -129,7 +129,7 @@ class ModelRunner:
                     state.hidden = hidden[last]
                 results.append(StepResult(seq, [], 0, False))
                 continue
-            token = self._choose(logits[cursor : cursor + 1], state)[0]
+            token = self._choose(logits[cursor : cursor + 1], state, seq.num_tokens)[0]
             state.hidden = hidden[last]
             cursor += 1
             seq.output_token_ids.append(token)
@@ -139,11 +139,12 @@ class ModelRunner:
             node_logits = logits[cursor : cursor + row.num_nodes]
             cursor += row.num_nodes
             if row.tree is None:
-                path, bonus = [0], self._choose(node_logits, state)[0]
+                path, bonus = [0], self._choose(node_logits, state, seq.num_tokens)[0]
             elif state.params.greedy:
                 path, bonus = accept_greedy(row.tree, node_logits.argmax(-1).tolist())
             else:
-                path, bonus = accept_sampled(row.tree, adjusted_probs(node_logits, state.params), state.generator)
+                draws = [keyed_uniform(state.seed, seq.num_tokens + d) for d in range(int(row.tree.depths[-1]) + 1)]
+                path, bonus = accept_sampled(row.tree, adjusted_probs(node_logits, state.params), draws)
             L = row.length
             if path != list(range(len(path))):
                 copies_src.append(self.blocks.slots(seq, L, L + row.num_nodes)[path])
@@ -274,7 +275,8 @@ class ModelRunner:
         return None
 
     @staticmethod
-    def _choose(logits: torch.Tensor, state: RequestState) -> list[int]:
+    def _choose(logits: torch.Tensor, state: RequestState, position: int) -> list[int]:
+        """The token at sequence ``position`` from its one row of ``logits`` (``[1, V]``)."""
         if state.params.greedy:
             return logits.argmax(-1).tolist()
-        return sample(adjusted_probs(logits, state.params), state.generator).tolist()
+        return sample_keyed(adjusted_probs(logits, state.params), [keyed_uniform(state.seed, position)])

@@ -59,16 +59,41 @@ def adjusted_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     return torch.zeros_like(sorted_probs).scatter_(-1, order, sorted_probs)
 
 
-def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """Draw one token per row. probs: ``[N, V] float32`` -> ``[N] long``."""
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+_MASK64 = (1 << 64) - 1
 
 
-def make_generator(seed: int | None, device: str | torch.device = "cpu") -> torch.Generator:
-    """A generator on ``device``, seeded with ``seed`` or, when None, with a fresh random seed."""
-    generator = torch.Generator(device=device)
-    if seed is None:
-        generator.seed()
-    else:
-        generator.manual_seed(seed)
-    return generator
+def _mix64(x: int) -> int:
+    """SplitMix64's finalizer (Steele, Lea, Flood, OOPSLA 2014): a bijection of 64-bit ints whose
+    outputs for consecutive inputs pass statistical tests of independence."""
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def keyed_uniform(seed: int, position: int) -> float:
+    """The uniform draw in ``[0, 1)`` (53 bits) that picks the token at sequence ``position``
+    (0-based index in prompt + output) of a request seeded ``seed`` (any Python int; taken modulo 2^64).
+
+    A draw depends on ``(seed, position)`` alone, not on how many draws came before, so a request's
+    sampled tokens do not depend on whether a step drafted, on the tree's shape or on its batch.
+    """
+    key = _mix64((seed & _MASK64) ^ 0x9E3779B97F4A7C15)
+    return (_mix64((key + position * 0x9E3779B97F4A7C15) & _MASK64) >> 11) * 2.0**-53
+
+
+def sample_keyed(probs: torch.Tensor, draws: list[float]) -> list[int]:
+    """Inverse-CDF sampling, one token per row. probs: ``[N, V] float32`` (rows sum to ~1, entries
+    >= 0); draws: N uniforms in ``[0, 1)`` (:func:`keyed_uniform`).
+
+    Row i's token is the first index whose cumulative probability (float64) exceeds
+    ``draws[i] * total``, so it is distributed exactly as the row for a uniform draw, never a
+    zero-probability token, and the same draw on the same row gives the same token.
+    """
+    cdf = probs.double().cumsum(-1)
+    targets = torch.tensor(draws, dtype=torch.float64, device=probs.device) * cdf[:, -1]
+    tokens = torch.searchsorted(cdf, targets.unsqueeze(-1), right=True).squeeze(-1).tolist()
+    vocab = probs.shape[-1]
+    for i, token in enumerate(tokens):
+        if token >= vocab:  # the draw rounded up to the total: the last token with mass
+            tokens[i] = int(probs[i].nonzero()[-1])
+    return tokens

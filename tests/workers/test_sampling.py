@@ -1,9 +1,11 @@
 import math
+import random
 
 import pytest
 import torch
+from scipy.stats import chisquare, kstest, pearsonr
 
-from workers.sampling import SamplingParams, adjusted_probs, make_generator, sample
+from workers.sampling import SamplingParams, adjusted_probs, keyed_uniform, sample_keyed
 
 
 def _softmax(values: list[float]) -> list[float]:
@@ -62,7 +64,7 @@ def test_top_k_then_top_p_on_renormalised_mass():
 
 
 def test_rows_are_independent_and_normalised():
-    logits = torch.randn(5, 100, generator=make_generator(0))
+    logits = torch.randn(5, 100, generator=torch.Generator().manual_seed(0))
     probs = adjusted_probs(logits, SamplingParams(temperature=0.7, top_k=20, top_p=0.8))
     assert probs.shape == (5, 100)
     assert torch.allclose(probs.sum(-1), torch.ones(5))
@@ -72,19 +74,31 @@ def test_rows_are_independent_and_normalised():
         assert torch.allclose(single[0], probs[row])
 
 
-def test_sample_is_reproducible_and_respects_support():
-    probs = torch.tensor([[0.0, 0.5, 0.5, 0.0], [0.0, 0.0, 0.0, 1.0]]).repeat(50, 1)
-    first = sample(probs, make_generator(123))
-    second = sample(probs, make_generator(123))
-    assert first.dtype == torch.long and first.shape == (100,)
-    assert torch.equal(first, second)
-    assert set(first[0::2].tolist()) <= {1, 2}
-    assert set(first[1::2].tolist()) == {3}
+def test_sample_keyed_is_the_inverse_cdf_and_respects_support():
+    probs = torch.tensor([[0.0, 0.5, 0.5, 0.0]] * 5 + [[0.0, 0.0, 0.0, 1.0]] * 2)
+    draws = [0.0, 0.25, 0.4999, 0.5, 0.9999999, 0.0, 0.9999999]
+    assert sample_keyed(probs, draws) == [1, 1, 1, 2, 2, 3, 3]
 
 
-def test_make_generator_unseeded_differs():
-    draws = {torch.rand(1, generator=make_generator(None)).item() for _ in range(5)}
-    assert len(draws) > 1
+def test_sample_keyed_draws_follow_the_distribution():
+    probs = torch.tensor([0.1, 0.0, 0.6, 0.3])
+    rng = random.Random(1)
+    tokens = sample_keyed(probs.repeat(20_000, 1), [rng.random() for _ in range(20_000)])
+    counts = [tokens.count(t) for t in range(4)]
+    assert counts[1] == 0
+    assert chisquare([counts[0], counts[2], counts[3]], [2_000, 12_000, 6_000]).pvalue > 1e-4
+
+
+def test_keyed_uniform_depends_only_on_seed_and_position():
+    draws = [keyed_uniform(7, p) for p in range(20_000)]
+    assert draws == [keyed_uniform(7, p) for p in range(20_000)]
+    assert all(0.0 <= u < 1.0 for u in draws)
+    assert kstest(draws, "uniform").pvalue > 1e-4
+    assert keyed_uniform(8, 0) != keyed_uniform(7, 0) and keyed_uniform(7, 1) != keyed_uniform(7, 0)
+    # seeds are taken modulo 2^64: the API's range (-2^63 .. 2^64 - 1) all works
+    assert keyed_uniform(-1, 3) == keyed_uniform(2**64 - 1, 3)
+    # neighbouring seeds give unrelated draws
+    assert abs(pearsonr(draws[:2000], [keyed_uniform(8, p) for p in range(2000)])[0]) < 0.1
 
 
 @pytest.mark.parametrize("temperature", [1e-300, 5e-324, 1e-40, 1e-8])

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from workers.redrafter.tree import PrefixTree
+from workers.sampling import sample_keyed
 
 
 def accept_greedy(tree: PrefixTree, target_argmax: list[int] | torch.Tensor) -> tuple[list[int], int]:
@@ -32,23 +33,23 @@ def accept_greedy(tree: PrefixTree, target_argmax: list[int] | torch.Tensor) -> 
         node = match
 
 
-def accept_sampled(
-    tree: PrefixTree, target_probs: torch.Tensor, generator: torch.Generator
-) -> tuple[list[int], int]:
-    """Exact speculative sampling for a deterministic (beam-search) draft tree.
+def accept_sampled(tree: PrefixTree, target_probs: torch.Tensor, draws: list[float]) -> tuple[list[int], int]:
+    """Exact speculative sampling for a deterministic (drafter-searched) draft tree, with keyed draws.
 
     target_probs: ``[num_nodes, V] float32``; row i is the base model's adjusted distribution
-    (:func:`workers.sampling.adjusted_probs`) after node i and its ancestors. ``generator`` must be
-    on the device of ``target_probs``.
+    (:func:`workers.sampling.adjusted_probs`) after node i and its ancestors. draws: one uniform in
+    ``[0, 1)`` per depth, at least ``max depth + 1`` of them; ``draws[d]`` picks the token after a
+    node at depth d (:func:`workers.sampling.keyed_uniform` of the request's seed and that token's
+    sequence position).
 
-    At a node with target distribution p, the children x_1, x_2, ... are tried in order. Child x_k
-    is accepted with probability ``p_k(x_k)``, where ``p_1 = p`` and ``p_{k+1}`` is ``p_k`` with
-    x_k zeroed and renormalised; an accepted child becomes the current node. When every child is
-    rejected, or the node is a leaf, the bonus token is drawn from the last residual and the walk
-    stops. Each emitted token is therefore distributed exactly as p given the accepted prefix:
-    P(emit x_1) = p(x_1), P(emit x_2) = (1 - p(x_1)) * p(x_2) / (1 - p(x_1)) = p(x_2), and so on,
-    and, with K children, a token y outside them is emitted with probability
-    ``prod_k (1 - p_k(x_k)) * p_{K+1}(y) = p(y)``.
+    At the current node (from the root) the base model's token is sampled from its row by inverse
+    CDF with the draw of its depth (:func:`workers.sampling.sample_keyed`); the child holding that
+    token, if any, is accepted and becomes the current node; otherwise the sampled token is the bonus
+    token and the walk stops. Every emitted token is therefore exactly the token plain decoding
+    samples at that position with the same draw: output is distributed as the base model's, and a
+    seeded request emits the same tokens whether or not a step drafted and whatever the tree.
+    Child x is accepted with probability p(x), as with the recursive rejection rule for point-mass
+    proposals (try x_1 with p(x_1), then x_2 against the residual, ...), so acceptance is the same.
 
     Why not Apple's rule. The standard test (Leviathan et al. arXiv 2211.17192 Sec. 2.3) accepts x
     with ``min(1, p(x) / q(x))`` and assumes x was *sampled* from the drafter's distribution q.
@@ -56,45 +57,18 @@ def accept_sampled(
     function of the context; its proposal distribution is a point mass, not q. Plugging the
     drafter's softmax q into the test then biases the output: with p(x) = 0.3 and q(x) = 0.2 it
     always accepts x, emitting it with probability 1 instead of 0.3 (apple/ml-recurrent-drafter
-    issue #6). With the true proposal, a point mass at x (q(x) = 1), the same test becomes
-    ``min(1, p(x) / 1) = p(x)`` and the residual ``norm(max(0, p - q))`` becomes p without x,
-    renormalised; trying the next sibling against that residual applies the test recursively,
-    which is the rule above.
+    issue #6). With the true proposal, a point mass at x (q(x) = 1), the test becomes
+    ``min(1, p(x) / 1) = p(x)``, which sampling the target token and matching it gives.
+
+    Raises:
+        IndexError: fewer draws than the accepted path needs.
     """
     tokens = tree.tokens.tolist()
     path = [0]
     while True:
-        children = tree.children[path[-1]]
-        p = target_probs[path[-1]]
-        child_tokens = [tokens[child] for child in children]
-        accepted = _first_accepted(p, child_tokens, generator)
-        if accepted is None:
-            break
-        path.append(children[accepted])
-    residual = p
-    if child_tokens:
-        residual = p.clone()
-        residual[child_tokens] = 0.0
-        if float(residual.sum()) <= 0.0:  # rounding left no mass outside the rejected tokens
-            return path, int(p.argmax())
-    return path, int(torch.multinomial(residual, 1, generator=generator))
-
-
-def _first_accepted(p: torch.Tensor, child_tokens: list[int], generator: torch.Generator) -> int | None:
-    """Index of the first accepted child token, or None when all are rejected.
-
-    p: ``[V] float32``. Child k is accepted when ``u < p(x_k) / (mass of p left after rejecting
-    x_1..x_{k-1})``, ``u ~ U[0, 1)``; the residual is renormalised through this scalar, so no row
-    is copied. A zero-probability child is never accepted.
-    """
-    if not child_tokens:
-        return None
-    index = torch.tensor(child_tokens, device=p.device)
-    head = torch.cat([p.sum().reshape(1), p[index]]).tolist()  # one device sync per node
-    mass, child_probs = head[0], head[1:]
-    draws = torch.rand(len(child_tokens), generator=generator, device=p.device).tolist()
-    for k, (prob, u) in enumerate(zip(child_probs, draws)):
-        if prob > 0.0 and u * mass < prob:
-            return k
-        mass -= prob
-    return None
+        node = path[-1]
+        sampled = sample_keyed(target_probs[node : node + 1], [draws[len(path) - 1]])[0]
+        match = next((child for child in tree.children[node] if tokens[child] == sampled), None)
+        if match is None:
+            return path, sampled
+        path.append(match)

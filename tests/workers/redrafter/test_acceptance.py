@@ -4,8 +4,8 @@ import torch
 from scipy.stats import chisquare
 
 from workers.redrafter.acceptance import accept_greedy, accept_sampled
+from workers.sampling import sample_keyed
 from workers.redrafter.tree import PrefixTree, build_prefix_tree
-from workers.sampling import make_generator
 
 P_VALUE = 1e-3
 
@@ -62,13 +62,14 @@ def test_greedy_equals_longest_matching_beam_prefix():
 
 def test_sampled_with_one_hot_target_equals_greedy():
     rng = random.Random(2)
-    generator = make_generator(0)
+    generator = torch.Generator().manual_seed(0)
     for _ in range(200):
         beams = torch.tensor([[0] + [rng.randrange(3) for _ in range(3)] for _ in range(rng.randint(1, 4))])
         tree = build_prefix_tree(beams)
         target_argmax = torch.randint(0, 3, (tree.num_nodes,), generator=generator)
         one_hot = torch.nn.functional.one_hot(target_argmax, 5).float()
-        assert accept_sampled(tree, one_hot, generator) == accept_greedy(tree, target_argmax)
+        draws = [rng.random() for _ in range(int(tree.depths[-1]) + 1)]
+        assert accept_sampled(tree, one_hot, draws) == accept_greedy(tree, target_argmax)
 
 
 # accept_sampled: statistical tests
@@ -103,7 +104,7 @@ def test_sampled_keeps_target_distribution_of_first_two_tokens():
     vocab, trials = 6, 15_000
     rng = random.Random(3)
     torch.manual_seed(3)  # the Dirichlet draw
-    generator = make_generator(3)
+    generator = torch.Generator().manual_seed(3)
     for _ in range(2):
         num_beams = rng.randint(2, 5)
         beams = torch.tensor([[0] + [rng.randrange(vocab) for _ in range(3)] for _ in range(num_beams)])
@@ -112,7 +113,7 @@ def test_sampled_keeps_target_distribution_of_first_two_tokens():
         first: dict[int, int] = {}
         pairs: dict[tuple[int, int], int] = {}
         for _ in range(trials):
-            path, bonus = accept_sampled(tree, target, generator)
+            path, bonus = accept_sampled(tree, target, [rng.random() for _ in range(4)])
             emitted = _emitted(tree, path, bonus)
             first[emitted[0]] = first.get(emitted[0], 0) + 1
             cell = (path[1], emitted[1]) if len(path) > 1 else "first token not drafted"
@@ -142,15 +143,36 @@ def test_min_p_over_q_rule_is_biased_for_deterministic_drafts():
     q = torch.tensor([0.4, 0.15, 0.15, 0.15, 0.15], dtype=torch.float64)
     tree = build_prefix_tree(torch.tensor([[9, 0]]))
     target = torch.stack([p, p])
-    generator = make_generator(4)
+    generator = torch.Generator().manual_seed(4)
+    rng = random.Random(4)
     trials = 5_000
     exact: dict[int, int] = {}
     biased: dict[int, int] = {}
     for _ in range(trials):
-        token = _emitted(tree, *accept_sampled(tree, target, generator))[0]
+        token = _emitted(tree, *accept_sampled(tree, target, [rng.random(), rng.random()]))[0]
         exact[token] = exact.get(token, 0) + 1
         token = _apple_rule_first_token(p, q, generator)
         biased[token] = biased.get(token, 0) + 1
     expected = [x * trials for x in p.tolist()]
     assert chisquare([exact.get(t, 0) for t in range(5)], expected).pvalue > P_VALUE
     assert chisquare([biased.get(t, 0) for t in range(5)], expected).pvalue < 1e-12
+
+
+def test_sampled_emits_exactly_the_tokens_plain_sampling_draws():
+    """With the same draws, the emitted tokens are those inverse-CDF sampling of the target rows along
+    the accepted path gives, whatever the tree: what makes a seeded request's text independent of
+    drafting."""
+    rng = random.Random(5)
+    torch.manual_seed(5)
+    generator = torch.Generator().manual_seed(5)
+    vocab, accepted_some = 4, 0
+    for _ in range(300):
+        beams = torch.tensor([[0] + [rng.randrange(vocab) for _ in range(3)] for _ in range(rng.randint(1, 4))])
+        tree = build_prefix_tree(beams)
+        target = _random_target(tree.num_nodes, vocab, generator)
+        draws = [rng.random() for _ in range(4)]
+        path, bonus = accept_sampled(tree, target, draws)
+        emitted = _emitted(tree, path, bonus)
+        assert emitted == [sample_keyed(target[node : node + 1], [draws[d]])[0] for d, node in enumerate(path)]
+        accepted_some += len(path) > 1
+    assert accepted_some > 50
