@@ -376,7 +376,7 @@ class Engine:
             limits[seq.request_id] = remaining - 1 if draft and plan.spec_shape else 0
         full_depth = self.runner.max_draft_depth(plan.spec_shape) if plan.spec_shape else 0
         results = self.runner.run(plan.context, plan.generation, plan.spec_shape, limits)
-        deltas = []
+        deltas, finished = [], []
         for r in results:
             if not r.tokens:
                 continue
@@ -401,7 +401,11 @@ class Engine:
                 len(stream.token_ids), seq.extra["steps"], seq.extra["accepted"], seq.request_id,
             ))
             if out.finished:
-                self.scheduler.finish(seq)
+                finished.append(seq)
+        # Finished only once every result is in: if one raises above, the requests that finished
+        # earlier in this loop are still running, so the caller's failure handling ends them too.
+        for seq in finished:
+            self.scheduler.finish(seq)
         if stats:
             stats.on_iteration(len(plan.context), len(plan.generation), plan.spec_shape, len(plan.preempted),
                                time.perf_counter() - t0)

@@ -155,3 +155,61 @@ def test_step_time_stat_leaves_prefill_iterations_out(tiny_model_dirs, monkeypat
     engine.shutdown()
     assert out[-1].completion_tokens == 6  # one prefill iteration, then five generation steps were timed
     assert 0 < engine.step_s < 0.1, engine.step_s
+
+
+
+def test_a_failing_iteration_leaves_its_finished_requests_to_the_failure_handling(tiny_model_dirs, monkeypatch):
+    """An exception while an iteration's results are applied (here: request B's detokenization,
+    right after A finished in the same loop) loses that iteration's deltas. A must then still be
+    running, so ``AsyncEngine``'s failure handling ends it with B instead of leaving its client
+    waiting for a final delta that never comes; afterwards every KV block is free."""
+    import pytest
+
+    from workers.async_engine import AsyncEngine, EngineFailure
+    from workers.engine import Engine
+    from workers.sampling import SamplingParams
+    from workers.stopping import OutputStream
+
+    append, a_done = OutputStream.append, []
+
+    def failing_append(self, token_ids):
+        if self._params.max_tokens == 50 and a_done:
+            raise RuntimeError("decode failed")
+        out = append(self, token_ids)
+        if self._params.max_tokens == 3 and out.finished:
+            a_done.append(True)
+        return out
+
+    monkeypatch.setattr(OutputStream, "append", failing_append)
+    engine = Engine(str(tiny_model_dirs["tied_gqa2"]), None, num_threads=1, max_seq_len=128,
+                    num_kv_blocks=64, tokens_per_block=4)
+    engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=3, ignore_eos=True), "plain")
+    engine.add_request("b", [5, 6, 8], SamplingParams(max_tokens=50, ignore_eos=True), "plain")
+    with pytest.raises(RuntimeError, match="decode failed"):
+        for _ in range(10):
+            engine.step()
+    assert a_done, "A did not finish in the failing iteration: the test did not reach its case"
+    assert {seq.request_id for seq in engine.scheduler.running} == {"a", "b"}
+
+    # the same through the engine thread: both clients get the failure, nothing hangs, blocks free
+    a_done.clear()
+    async_engine = AsyncEngine(lambda: Engine(str(tiny_model_dirs["tied_gqa2"]), None, num_threads=1,
+                                              max_seq_len=128, num_kv_blocks=64, tokens_per_block=4))
+
+    async def drain(prompt, max_tokens):
+        return [d async for d in async_engine.generate(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                                                       "plain")]
+
+    async def main():
+        return await asyncio.gather(drain([5, 6, 7], 3), drain([5, 6, 8], 50), return_exceptions=True)
+
+    import asyncio
+
+    try:
+        a, b = asyncio.run(asyncio.wait_for(main(), 60))
+        assert isinstance(b, EngineFailure) and "decode failed" in str(b)
+        assert isinstance(a, EngineFailure) or a[-1].finished
+        assert async_engine.engine.num_unfinished == 0
+        assert async_engine.engine.blocks.num_free_blocks == async_engine.engine.blocks.num_blocks
+    finally:
+        async_engine.shutdown()
