@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -10,7 +11,7 @@ import socket
 import threading
 import time
 from pathlib import Path
-from typing import Literal
+from typing import Literal, NoReturn
 
 import httpx
 import typer
@@ -41,7 +42,7 @@ app.command("serve-config")(serve_config_command)
 app.add_typer(k8s_app, name="k8s")
 
 console = Console()
-err_console = Console(stderr=True)
+err_console = Console(stderr=True, soft_wrap=True)  # an error is one line, however long its paths
 
 ConfigOption = typer.Option(DEFAULT_CONFIG, "--config", "-c", help="YAML config (relative paths inside it "
                             "resolve against its own directory).")
@@ -53,9 +54,13 @@ def _startable_config(path: Path, calibration: bool = True) -> RdserveConfig:
         cfg = load_config(path)
         check_startable(cfg, calibration=calibration)
     except ConfigError as err:
-        err_console.print(f"[red]config error[/red]: {err}", highlight=False, soft_wrap=True)
-        raise typer.Exit(2) from None
+        _exit_config_error(err)
     return cfg
+
+
+def _exit_config_error(err: ConfigError) -> NoReturn:
+    err_console.print(f"[red]config error[/red]: {err}", highlight=False)
+    raise typer.Exit(2) from None
 
 
 def _with_model_dir(cfg: RdserveConfig) -> RdserveConfig:
@@ -199,7 +204,8 @@ def _print_ready(cfg: RdserveConfig, base_url: str) -> None:
 def generate(
     config: Path = ConfigOption,
     prompt: str | None = typer.Option(None, help="One prompt (raw text, or a user message with --chat)."),
-    prompts: Path | None = typer.Option(None, help="JSONL file: each line has 'prompt' (raw text) or "
+    prompts: Path | None = typer.Option(None, exists=True, dir_okay=False, readable=True,
+                                        help="JSONL file: each line has 'prompt' (raw text) or "
                                         "'messages' (chat), optionally 'category'."),
     chat: bool = typer.Option(False, "--chat", help="Apply the chat template to --prompt."),
     max_tokens: int = typer.Option(128, min=1, help="Completion tokens per prompt."),
@@ -212,6 +218,9 @@ def generate(
     if (prompt is None) == (prompts is None):
         err_console.print("give exactly one of --prompt and --prompts")
         raise typer.Exit(2)
+    if prompt == "":
+        err_console.print("--prompt: the prompt is empty")
+        raise typer.Exit(2)
     if mode not in ("spec", "plain"):
         err_console.print(f"--mode must be 'spec' or 'plain', got '{mode}'")
         raise typer.Exit(2)
@@ -222,19 +231,26 @@ def generate(
     if prompts is not None:
         items = _read_prompts(prompts)
     else:
-        items = [{"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt}]
+        items = [("--prompt", {"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt})]
     from cluster.local_engine import build_engine
     from workers.sampling import SamplingParams
 
-    engine = build_engine(_with_model_dir(cfg))
+    try:
+        engine = build_engine(_with_model_dir(cfg))
+    except ConfigError as err:  # what the model allows (a pulled default model is read only here)
+        _exit_config_error(err)
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed)
     try:
-        for item in items:
-            result = _generate_one(engine, item, params, mode)
+        for where, item in items:
+            try:
+                result = _generate_one(engine, item, params, mode)
+            except _Unservable as err:
+                err_console.print(f"{where}: {err}", markup=False, highlight=False)
+                raise typer.Exit(2) from None
             if as_json:
                 print(json.dumps(result), flush=True)
             else:
-                console.print(result["text"], markup=False, highlight=False)
+                print(result["text"], flush=True)  # as generated: no wrapping, no rich markup or emoji codes
                 console.print(f"[dim]{result['completion_tokens']} tokens in {result['num_steps']} steps "
                               f"({result['tokens_per_step']:.2f} tokens/step, {result['latency_s']:.2f} s, "
                               f"{result['mode']}, finish {result['finish_reason']})[/dim]")
@@ -242,9 +258,15 @@ def generate(
         engine.close()  # a tensor-parallel engine shuts its MPI ranks down
 
 
-def _read_prompts(path: Path) -> list[dict]:
+def _read_prompts(path: Path) -> list[tuple[str, dict]]:
+    """The prompts of a JSONL file, each with its ``path:line`` for error messages."""
+    try:
+        text = path.read_text()
+    except UnicodeDecodeError as err:
+        err_console.print(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})")
+        raise typer.Exit(2) from None
     items = []
-    for n, line in enumerate(path.read_text().split("\n"), start=1):
+    for n, line in enumerate(text.split("\n"), start=1):
         if not line.strip():
             continue
         try:
@@ -258,16 +280,43 @@ def _read_prompts(path: Path) -> list[dict]:
         if not item.get("prompt", True) or not item.get("messages", True):
             err_console.print(f"{path}:{n}: the prompt is empty")
             raise typer.Exit(2)
-        items.append(item)
+        if not isinstance(item.get("prompt", ""), str):
+            err_console.print(f"{path}:{n}: 'prompt' must be a string")
+            raise typer.Exit(2)
+        messages = item.get("messages", [])
+        if not isinstance(messages, list) or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in messages):
+            err_console.print(f"{path}:{n}: 'messages' must be a list of {{role, content}} strings", markup=False)
+            raise typer.Exit(2)
+        items.append((f"{path}:{n}", item))
     return items
 
 
+class _Unservable(ValueError):
+    """A prompt the engine refuses before decoding: it has no chat template, or the prompt (plus
+    ``max_tokens``) does not fit the context or the KV cache."""
+
+
 def _generate_one(engine, item: dict, params, mode: Literal["spec", "plain"]) -> dict:
-    """Run one prompt to completion; counters come from the final delta."""
+    """Run one prompt to completion; counters come from the final delta.
+
+    Raises:
+        _Unservable: the engine refuses the prompt (see the class).
+    """
     start = time.perf_counter()
-    ids = engine.encode_chat(item["messages"]) if "messages" in item else engine.encode_prompt(item["prompt"])
+    try:
+        ids = engine.encode_chat(item["messages"]) if "messages" in item else engine.encode_prompt(item["prompt"])
+    except ValueError as err:  # no chat template
+        raise _Unservable(str(err)) from None
+    deltas = engine.generate(ids, params, mode)
+    try:
+        first = next(deltas)  # the request is queued here: add_request refuses what cannot fit
+    except ValueError as err:
+        raise _Unservable(f"{err}; shorten the prompt or lower --max-tokens, or raise engine.max_seq_len or the "
+                          "KV cache (engine.num_kv_blocks, engine.kv_cache_fraction)") from None
     text, token_ids, last = [], [], None
-    for last in engine.generate(ids, params, mode):
+    for last in itertools.chain([first], deltas):
         text.append(last.text)
         token_ids.extend(last.token_ids)
     latency_s = time.perf_counter() - start

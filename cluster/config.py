@@ -97,9 +97,12 @@ class EngineConfig(_Section):
         "Backend torch only")
     num_beams: int = Field(4, ge=1, le=16, description="ReDrafter beams drafted per step")
     draft_len_per_beam: int = Field(4, ge=1, le=16, description="draft tokens per beam")
-    max_seq_len: int = Field(2048, ge=16, description="context length: prompt + completion tokens")
+    max_seq_len: int = Field(2048, ge=16, description="context length: prompt + completion tokens; at most the "
+                             "model's max_position_embeddings (checked at start; left unset, 2048 is cut to it)")
     num_threads: int | None = Field(None, ge=1, description="torch intra-op threads; null = cores / serve.replicas "
-                                    "(with autoscaling: cores / max_replicas, so a full machine is not oversubscribed)")
+                                    "(with autoscaling: cores / max_replicas, so a full machine is not oversubscribed). "
+                                    "Above the cores of the machine a replica starts on, it logs a warning and "
+                                    "uses the cores (more threads than cores only contend)")
     spec_schedule: Literal["auto"] | SpecSchedule | None = Field(
         None, description="'auto' (the goodput model: shape or plain per iteration from spec_calibration's "
         "step costs and live acceptance), 'off', or rows {max_batch_size, num_beams, draft_len_per_beam} "
@@ -493,14 +496,36 @@ def check_startable(cfg: RdserveConfig, cuda_available: bool | None = None, cali
             raise ConfigError(f"engine.spec_calibration: serve.pools drafts {shape[0]}x{shape[1]} "
                               f"(engine.num_beams x draft_len_per_beam) but {eng.spec_calibration} has no step "
                               f"times for it; calibrate with --shapes including {shape[0]}x{shape[1]}")
+    from workers.models.pull import default_model_dir
+
+    model_dir = cfg.model.path or default_model_dir()  # the default model once pulled
+    if (model_dir / "config.json").is_file():
+        check_model_limits(eng, model_dir)
+
+
+def check_model_limits(eng: EngineConfig, model_dir: Path) -> None:
+    """What the model in ``model_dir`` allows (its ``config.json``): ``engine.tp_size`` divides its
+    heads; a ``engine.max_seq_len`` set in the config is within its ``max_position_embeddings``
+    (the engine would otherwise cut the context to them without a word).
+
+    Raises:
+        ConfigError: naming the field.
+    """
+    from workers.models.config import LlamaConfig
+
+    try:
+        model = LlamaConfig.from_dir(model_dir)
+    except KeyError as err:
+        raise ConfigError(f"model.path: {model_dir}/config.json has no {err}") from None
+    except ValueError as err:  # not JSON, or a model_type this build does not run
+        raise ConfigError(f"model.path: {model_dir}/config.json: {err}") from None
     if eng.tp_size > 1:
-        from workers.models.config import LlamaConfig
-        from workers.models.pull import default_model_dir
         from workers.tp.layers import check_tp_size
 
-        model_dir = cfg.model.path or default_model_dir()  # the default model once pulled
-        if (model_dir / "config.json").is_file():
-            try:
-                check_tp_size(LlamaConfig.from_dir(model_dir), eng.tp_size)
-            except ValueError as err:
-                raise ConfigError(f"engine.tp_size: {err} (model {model_dir})") from None
+        try:
+            check_tp_size(model, eng.tp_size)
+        except ValueError as err:
+            raise ConfigError(f"engine.tp_size: {err} (model {model_dir})") from None
+    if "max_seq_len" in eng.model_fields_set and eng.max_seq_len > model.max_position_embeddings:
+        raise ConfigError(f"engine.max_seq_len: {eng.max_seq_len} is above the model's max_position_embeddings "
+                          f"{model.max_position_embeddings} (model {model_dir}); set it to at most that")

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 import os
+from pathlib import Path
 
-from cluster.config import RdserveConfig
+from cluster.config import RdserveConfig, check_model_limits
+
+log = logging.getLogger(__name__)
 
 
 def build_engine(cfg: RdserveConfig, tp_gpus: list[str] | None = None):
@@ -19,12 +23,16 @@ def build_engine(cfg: RdserveConfig, tp_gpus: list[str] | None = None):
     of the compute path it runs on.
 
     Returns a ``workers.engine.Engine``.
+
+    Raises:
+        ConfigError: the model does not allow ``engine.tp_size`` or ``engine.max_seq_len``.
     """
     from workers.engine import Engine, EngineOptions
     from workers.models.pull import pull_default
 
     eng = cfg.engine
     model_dir = cfg.model.path or pull_default()
+    check_model_limits(eng, Path(model_dir))
     drafter_dir = cfg.drafter.path
     options = EngineOptions(
         device=eng.device, dtype=eng.dtype, num_beams=eng.num_beams, draft_len_per_beam=eng.draft_len_per_beam,
@@ -62,14 +70,12 @@ def _warn_if_measured_elsewhere(calibration, kernel: str, field: str = "engine.s
     step costs, and so the goodput model's choices, then belong to that path), or with another
     ``engine.draft_search`` (its tokens per step then belong to that search)."""
     import json
-    import logging
 
     try:
         data = json.loads(open(calibration).read())
         measured, searched = data.get("kernel"), data.get("draft_search")
     except (OSError, ValueError, AttributeError):
         return  # unreadable files are reported by StepCosts.load
-    log = logging.getLogger(__name__)
     if measured is not None and measured != kernel:
         log.warning("%s %s was measured on kernel %s, this engine runs on %s: its step costs may not "
                     "hold here; run `rdserve calibrate` on this machine", field, calibration, measured, kernel)
@@ -80,12 +86,18 @@ def _warn_if_measured_elsewhere(calibration, kernel: str, field: str = "engine.s
 
 
 def num_threads(cfg: RdserveConfig) -> int:
-    """torch intra-op threads of one engine: ``engine.num_threads``, or this machine's cores shared
-    among the most replicas it may run (``serve.replicas``, or ``serve.autoscaling.max_replicas``)."""
+    """torch intra-op threads of one engine: ``engine.num_threads`` (at most this machine's cores; a
+    warning says when it is cut), or this machine's cores shared among the most replicas it may run
+    (``serve.replicas``, or ``serve.autoscaling.max_replicas``)."""
+    cores = os.cpu_count() or 1
+    if cfg.engine.num_threads is not None and cfg.engine.num_threads > cores:
+        log.warning("engine.num_threads %d is above this machine's %d CPUs (os.cpu_count); using %d: more threads "
+                    "than cores only contend", cfg.engine.num_threads, cores, cores)
+        return cores
     if cfg.engine.num_threads is not None:
         return cfg.engine.num_threads
     replicas = cfg.serve.autoscaling.max_replicas if cfg.serve.autoscaling else cfg.serve.replicas
-    return max(1, (os.cpu_count() or 1) // replicas)
+    return max(1, cores // replicas)
 
 
 def spec_controller(cfg: RdserveConfig, kernel: str | None = None):

@@ -120,3 +120,74 @@ def test_ready_message_curl_hint_carries_an_authorization_header_only_when_keys_
     curl = next(line for line in out.splitlines() if line.strip().startswith("curl "))
     assert ("Authorization: Bearer YOUR_KEY" in curl) == bool(keys)
     assert "sk-test-0123456789" not in out  # a key is never printed
+
+
+def test_generate_prints_the_models_text_exactly(tiny_config_path):
+    """Not wrapped at 80 columns when stdout is no terminal: the text equals --json's."""
+    args = ["generate", "--config", str(tiny_config_path), "--prompt", "Once upon a time", "--max-tokens", "60",
+            "--mode", "plain"]
+    text = json.loads(runner.invoke(app, [*args, "--json"]).stdout)["text"]
+    assert len(text) > 80
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert result.stdout.startswith(text + "\n")
+
+
+def test_generate_prints_brackets_and_colons_of_the_text_as_they_are(tiny_config_path, monkeypatch):
+    text = "[bold]not markup[/bold] :smile: [red]" + " word" * 30
+    monkeypatch.setattr("cluster.cli._generate_one", lambda engine, item, params, mode: {
+        "text": text, "completion_tokens": 1, "num_steps": 1, "tokens_per_step": 1.0, "latency_s": 0.1,
+        "mode": mode, "finish_reason": "length"})
+    result = runner.invoke(app, ["generate", "--config", str(tiny_config_path), "--prompt", "Hi", "--mode", "plain"])
+    assert result.exit_code == 0, result.output
+    assert result.stdout.startswith(text + "\n")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--prompt", ""], "--prompt: the prompt is empty"),
+    (["--prompt", "Hi", "--chat", "--max-tokens", "1000"], None),  # cut to the context: fine
+    (["--prompt", "word " * 300], "shorten the prompt"),  # beyond max_seq_len 256
+    (["--prompts", "/no/such/prompts.jsonl"], "/no/such/prompts.jsonl"),
+])
+def test_generate_user_input_errors_are_one_line_and_exit_2(tiny_config_path, args, message):
+    result = runner.invoke(app, ["generate", "--config", str(tiny_config_path), "--mode", "plain", *args])
+    if message is None:
+        assert result.exit_code == 0, result.output
+        return
+    assert result.exit_code == 2, result.output
+    assert message in result.output and "Traceback" not in result.output
+
+
+def test_generate_request_the_kv_cache_cannot_hold_names_what_to_change(tiny_config_path, tmp_path):
+    small = tmp_path / "small.yaml"
+    small.write_text(tiny_config_path.read_text().replace("num_threads: 1", "num_threads: 1, num_kv_blocks: 4")
+                     .replace("path: model", f"path: {tiny_config_path.parent / 'model'}")
+                     .replace("path: drafter", f"path: {tiny_config_path.parent / 'drafter'}"))
+    result = runner.invoke(app, ["generate", "--config", str(small), "--prompt", "Hi", "--max-tokens", "200",
+                                 "--mode", "plain"])
+    assert result.exit_code == 2, result.output
+    assert "KV slots" in result.output and "--max-tokens" in result.output and "engine.num_kv_blocks" in result.output
+
+
+@pytest.mark.parametrize("line, message", [
+    ({"prompt": 5}, "'prompt' must be a string"),
+    ({"messages": [{"role": "user"}]}, "'messages' must be a list of {role, content} strings"),
+    ({"messages": "Hi"}, "'messages' must be a list of {role, content} strings"),
+])
+def test_generate_rejects_malformed_prompt_lines(tiny_config_path, tmp_path, line, message):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps(line) + "\n")
+    result = runner.invoke(app, ["generate", "--config", str(tiny_config_path), "--prompts", str(prompts)])
+    assert result.exit_code == 2 and f"{prompts}:1: {message}" in result.output
+
+
+def test_generate_max_seq_len_beyond_the_models_positions_is_a_config_error(tiny_config_path, tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(tiny_config_path.read_text().replace("max_seq_len: 256", "max_seq_len: 4096")
+                   .replace("path: model", f"path: {tiny_config_path.parent / 'model'}")
+                   .replace("path: drafter", f"path: {tiny_config_path.parent / 'drafter'}"))
+    for command in (["generate", "--prompt", "Hi", "--mode", "plain"], ["up"]):
+        result = runner.invoke(app, [*command, "--config", str(bad)])
+        assert result.exit_code == 2, result.output
+        assert "config error" in result.output and "engine.max_seq_len: 4096" in result.output
+        assert "max_position_embeddings 1024" in result.output

@@ -243,3 +243,38 @@ def test_draft_search_is_validated_and_needs_backend_torch(tmp_path):
     cfg = load_config(write(tmp_path, "engine: {backend: tensorrt_llm, draft_search: beam, prompt_lookup_num_tokens: 0}\n"
                                       "drafter: {path: d}\n"))
     assert cfg.engine.draft_search == "beam"
+
+
+def test_max_seq_len_beyond_the_models_positions_fails_at_start(tmp_path):
+    """Known once the model's config.json is read: check_startable (`rdserve up`/`generate`) and
+    build_engine (a default model pulled after the check) name the field and the model's limit."""
+    import json
+
+    from cluster.local_engine import build_engine
+
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(json.dumps({
+        "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
+        "num_key_value_heads": 3, "vocab_size": 49152, "max_position_embeddings": 8192}))
+    cfg = load_config(write(tmp_path, "model: {path: m}\nengine: {max_seq_len: 100000}\n"))
+    limit = "engine.max_seq_len: 100000 is above the model's max_position_embeddings 8192"
+    with pytest.raises(ConfigError, match=limit):
+        check_startable(cfg, cuda_available=False)
+    with pytest.raises(ConfigError, match=limit):
+        build_engine(cfg)
+    check_startable(load_config(write(tmp_path, "model: {path: m}\nengine: {max_seq_len: 8192}\n")), cuda_available=False)
+    (tmp_path / "m" / "config.json").write_text(json.dumps({"max_position_embeddings": 8192}))
+    with pytest.raises(ConfigError, match="model.path: .*config.json has no 'vocab_size'"):
+        check_startable(cfg, cuda_available=False)
+
+
+def test_num_threads_above_the_cores_warns_and_uses_the_cores(tmp_path, monkeypatch, caplog):
+    from cluster.local_engine import num_threads
+
+    monkeypatch.setattr("os.cpu_count", lambda: 4)
+    cfg = load_config(write(tmp_path, "engine: {num_threads: 1000}\n"))
+    assert num_threads(cfg) == 4
+    assert "engine.num_threads 1000 is above this machine's 4 CPUs" in caplog.text
+    caplog.clear()
+    assert num_threads(load_config(write(tmp_path, "engine: {num_threads: 4}\n"))) == 4
+    assert not caplog.text
