@@ -89,8 +89,8 @@ class AsyncEngine:
         return future
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, mode: str,
-                       request_id: str | None = None) -> AsyncIterator[GenerationDelta]:
-        """Stream the request's deltas, the last one finished.
+                       request_id: str | None = None, force_draft: bool = False) -> AsyncIterator[GenerationDelta]:
+        """Stream the request's deltas, the last one finished (``force_draft``: see :meth:`Engine.add_request`).
 
         Raises:
             ValueError: the engine rejected the request (see :meth:`Engine.add_request`).
@@ -105,7 +105,7 @@ class AsyncEngine:
         if self.failure is not None:
             self._sinks.pop(rid, None)
             raise self.failure
-        self._submit(("add", rid, list(prompt_ids), params, mode))
+        self._submit(("add", rid, list(prompt_ids), params, mode, force_draft))
         finished = False
         try:
             while True:
@@ -156,11 +156,11 @@ class AsyncEngine:
         for command in self._queued():
             kind = command[0]
             if kind == "add":
-                _, rid, prompt_ids, params, mode = command
+                _, rid, prompt_ids, params, mode, force_draft = command
                 if rid not in self._sinks:  # the consumer already left
                     continue
                 try:
-                    self.engine.add_request(rid, prompt_ids, params, mode)
+                    self.engine.add_request(rid, prompt_ids, params, mode, force_draft)
                 except ValueError as err:
                     self._deliver(rid, err)
             elif kind == "abort":

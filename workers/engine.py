@@ -306,6 +306,18 @@ class Engine:
         self.spec_policy = TablePolicy(validate_schedule(table))
 
     @property
+    def forced_shape(self) -> tuple[int, int] | None:
+        """The tree of requests that force speculation (``add_request(force_draft=True)``) in an
+        iteration the policy decodes plain: ``num_beams x draft_len_per_beam`` when the policy's
+        shapes (which the KV cache is sized for) include it, else the policy's smallest shape; None
+        when the policy never drafts."""
+        shapes = self.spec_policy.shapes
+        configured = (self.options.num_beams, self.options.draft_len_per_beam)
+        if configured in shapes:
+            return configured
+        return min(shapes, key=lambda s: s[0] * s[1]) if shapes else None
+
+    @property
     def speculative_available(self) -> bool:
         return self.drafter is not None
 
@@ -319,8 +331,10 @@ class Engine:
     def encode_chat(self, messages: list[dict]) -> list[int]:
         return apply_chat_template(self.tokenizer, messages)
 
-    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams, mode: str) -> None:
-        """Queue a request.
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams, mode: str,
+                    force_draft: bool = False) -> None:
+        """Queue a request. ``force_draft`` (with ``mode="spec"``): draft every step a tree fits,
+        whatever the speculation policy says (:attr:`forced_shape` when it decodes plain).
 
         Raises:
             ValueError: empty prompt, prompt that leaves no room in ``max_seq_len``, unknown mode,
@@ -338,7 +352,8 @@ class Engine:
             raise ValueError(f"prompt has {n_prompt} tokens; the context holds {self.max_seq_len}")
         budget = min(params.max_tokens, self.max_seq_len - n_prompt)
         params = replace(params, max_tokens=budget)
-        seq = Sequence(request_id, list(prompt_ids), budget, speculative=mode == "spec")
+        seq = Sequence(request_id, list(prompt_ids), budget, speculative=mode == "spec",
+                       force_draft=force_draft and mode == "spec")
         seed = None if params.greedy else params.seed if params.seed is not None else secrets.randbits(64)
         seq.extra["state"] = RequestState(params, seed)
         seq.extra["stream"] = OutputStream(self.tokenizer, params, self.eos_token_ids)
@@ -363,7 +378,7 @@ class Engine:
     def step(self) -> list[GenerationDelta]:
         """Run one iteration; returns a delta for each request that emitted tokens (or finished)."""
         t0, stats = time.perf_counter(), self.stats
-        plan = self.scheduler.schedule(self.spec_policy)
+        plan = self.scheduler.schedule(self.spec_policy, self.forced_shape)
         self.last_context_requests = len(plan.context)  # prompt chunks in this iteration (step-time stats)
         if not plan.context and not plan.generation:
             return []
@@ -412,14 +427,14 @@ class Engine:
         return deltas
 
     def generate(self, prompt_ids: list[int], params: SamplingParams, mode: str,
-                 request_id: str = "generate") -> Iterator[GenerationDelta]:
+                 request_id: str = "generate", force_draft: bool = False) -> Iterator[GenerationDelta]:
         """Decode one request alone (other queued requests run too); yields its deltas, the last
         one finished. Closing the iterator early aborts the request.
 
         Raises:
             ValueError: see :meth:`add_request`.
         """
-        self.add_request(request_id, prompt_ids, params, mode)
+        self.add_request(request_id, prompt_ids, params, mode, force_draft)
         finished = False
         try:
             while not finished:

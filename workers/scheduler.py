@@ -153,22 +153,28 @@ class Scheduler:
         del self._by_id[seq.request_id]
         return seq
 
-    def schedule(self, spec: SpecSchedule | TablePolicy = "off") -> SchedulePlan:
+    def schedule(self, spec: SpecSchedule | TablePolicy = "off", forced_shape: Shape | None = None) -> SchedulePlan:
         """Plan one iteration (see the module docstring).
 
         ``spec``: a validated speculation table, or a policy (:class:`TablePolicy`, or the live
         goodput model) that gives the shape for the number of generation requests and whether each
         speculative request drafts (``policy.drafts(seq.extra.get("spec_state"), b, shape)``).
+        ``forced_shape``: the tree of ``force_draft`` requests in an iteration the policy decodes
+        plain (then only they draft); in other iterations they draft at the policy's shape whatever
+        ``policy.drafts`` says. None: they follow the policy like the others.
         """
         policy = spec if hasattr(spec, "shape_for") else TablePolicy(spec)
         plan = SchedulePlan()
         generating = [s for s in self.running if not s.is_prefill]
         shape = policy.shape_for(len(generating))
+        by_policy = shape is not None
+        if shape is None and forced_shape is not None and any(s.force_draft and s.speculative for s in generating):
+            shape = forced_shape
         tree_tokens = shape[0] * shape[1] if shape else 0
         for seq in generating:
             if seq.status is SequenceStatus.RUNNING:
-                drafts = bool(tree_tokens) and seq.speculative and policy.drafts(
-                    seq.extra.get("spec_state"), len(generating), shape)
+                drafts = bool(tree_tokens) and seq.speculative and (seq.force_draft or by_policy and policy.drafts(
+                    seq.extra.get("spec_state"), len(generating), shape))
                 lookup = seq.extra.get("lookup_len", self.config.lookup_tokens) if self.config.lookup_tokens else 0
                 self._plan_generation(seq, tree_tokens + lookup if drafts else 0, plan)
         self._plan_context_phase(plan)

@@ -45,6 +45,8 @@ class Sequence:
     request_id: unique among unfinished sequences.
     max_tokens: most output tokens the request may produce (>= 1); sizes the admission check.
     speculative: whether the request may be decoded with a draft tree (False = plain steps only).
+    force_draft: a speculative request that drafts every step a tree fits, whatever the speculation
+        policy says (a request that forces ``rdserve.mode: spec``; see ``Scheduler.schedule``).
     arrival_index: FCFS position, set by ``Scheduler.add`` (-1 before).
     block_table: KV-cache block ids; token at position p lives in block ``block_table[p // block_size]``.
     extra: engine payload (sampling parameters, output stream, drafter hidden state); the scheduler
@@ -55,6 +57,7 @@ class Sequence:
     prompt_token_ids: list[int]
     max_tokens: int
     speculative: bool = True
+    force_draft: bool = False
     output_token_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     arrival_index: int = -1

@@ -133,3 +133,37 @@ def test_each_compute_path_reads_its_own_calibration(tiny_config, tmp_path):
     assert [r.model_dump() for r in engine.spec_schedule] == table  # then its table
     engine = engine_with(spec_calibration_by_kernel={"cuda": other})
     assert [r.model_dump() for r in engine.spec_schedule] == [{"max_batch_size": 1, "num_beams": 2, "draft_len_per_beam": 3}]
+
+
+def test_a_request_forcing_spec_drafts_every_step_while_the_model_decodes_the_rest_plain(
+        tiny_model_dirs, trained_drafter_dirs):
+    """8 requests: in the iterations where the goodput model decodes plain, the one request that forces
+    ``spec`` (a tester's ``rdserve: {mode: spec}`` drew no drafts under ``auto``) still drafts, alone;
+    outputs stay plain's."""
+    controller = SpecController(COSTS, ControllerSettings(margin=0.05, patience=2))
+    engine = make_engine(tiny_model_dirs, trained_drafter_dirs, controller)
+    ids = prompts(engine, 8)
+    plain = decode_all(engine, ids, "plain")
+    decisions, plans = [], []
+    real_shape_for, real_schedule = controller.shape_for, engine.scheduler.schedule
+    controller.shape_for = lambda b: decisions.append(real_shape_for(b)) or decisions[-1]
+    engine.scheduler.schedule = lambda *a: plans.append(real_schedule(*a)) or plans[-1]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    for i, p in enumerate(ids):
+        engine.add_request(f"r{i}", p, params, "spec", force_draft=i == 0)
+    out = {f"r{i}": [] for i in range(len(ids))}
+    last = {}
+    while engine.num_unfinished:
+        for d in engine.step():
+            out[d.request_id].extend(d.token_ids)
+            last[d.request_id] = d
+    assert out == plain
+    assert last["r0"].accepted_draft_tokens > 0
+    plain_iterations = [plan for decision, plan in zip(decisions, plans)
+                        if decision is None and any(s.request_id == "r0" for s in plan.generation)]
+    assert len(plain_iterations) >= 3, "the model never chose plain while r0 ran: the test would be vacuous"
+    for plan in plain_iterations:
+        drafting = {s.request_id for s, draft in zip(plan.generation, plan.draft_tokens) if draft}
+        assert drafting <= {"r0"} and plan.spec_shape == engine.forced_shape == (2, 3)
+    assert sum(bool(dict(zip([s.request_id for s in p.generation], p.draft_tokens)).get("r0"))
+               for p in plain_iterations) >= len(plain_iterations) - 1  # a tree may not fit near max_tokens

@@ -90,6 +90,40 @@ def test_speculative_trees_mix_with_plain_steps_within_budgets():
     assert plan.draft_tokens == [0, 0] and plan.spec_shape is None
 
 
+
+class _NeverDrafts:
+    """A policy that gives a shape up to 1 generation request and lets no request draft."""
+
+    def shape_for(self, b: int):
+        return (1, 1) if b <= 1 else None
+
+    def drafts(self, state, b, shape) -> bool:
+        return False
+
+
+def test_a_request_that_forces_speculation_drafts_whatever_the_policy_says():
+    bm = BlockManager(num_blocks=32, block_size=4)
+    sched = Scheduler(SchedulerConfig(max_batch_size=4, max_num_tokens=32, max_seq_len=64), bm)
+    forced, other, plain = make("forced", 3), make("other", 3), make("plain", 3, speculative=False)
+    forced.force_draft = plain.force_draft = True  # force_draft needs a speculative request
+    for s in (forced, other, plain):
+        sched.add(s)
+    run_context(sched.schedule())
+    # the policy decodes 3 requests plain: the forced request alone drafts, at the forced shape
+    plan = sched.schedule(_NeverDrafts(), forced_shape=(2, 2))
+    assert plan.spec_shape == (2, 2) and plan.draft_tokens == [4, 0, 0]
+    # without a forced shape it follows the policy like the others
+    assert sched.schedule(_NeverDrafts()).draft_tokens == [0, 0, 0]
+    # at the policy's own shape it drafts although policy.drafts says no; the others do not
+    sched.finish(plain)
+    sched.finish(other)
+    plan = sched.schedule(_NeverDrafts(), forced_shape=(2, 2))
+    assert plan.spec_shape == (1, 1) and plan.draft_tokens == [1]
+    # and with nobody forcing, the plain iteration stays plain
+    forced.force_draft = False
+    plan = sched.schedule(_NeverDrafts(), forced_shape=(2, 2))
+    assert plan.spec_shape is None and plan.draft_tokens == [0]
+
 def test_a_prompt_lookup_beam_reserves_its_slots_and_counts_against_the_budget():
     bm = BlockManager(num_blocks=32, block_size=4)
     sched = Scheduler(SchedulerConfig(max_batch_size=4, max_num_tokens=12, max_seq_len=64, lookup_tokens=3), bm)
