@@ -33,6 +33,7 @@ from cluster.protocol import (
     ModelList,
     RequestError,
     error_body,
+    validation_error,
 )
 from cluster.auth import ApiKeys, BearerAuth, resolve_keys
 from cluster.body_limit import BodyLimit, BodyLimitSetting
@@ -53,6 +54,9 @@ log = logging.getLogger("ray.serve")
 HEALTH_TIMEOUT_S = 10.0
 REPLICA_COUNTS_TIMEOUT_S = 2.0
 POOL_REFRESH_S = 1.0
+STREAM_END_GRACE_S = 1.0
+"""After a request's last item, how long its stream may take to end (with a separate engine deployment
+the end is its own Ray message) before it is cancelled."""
 
 api = FastAPI(title="rdserve", description="OpenAI-compatible LLM serving with ReDrafter speculative decoding.")
 API_KEYS = ApiKeys()  # installed by the ingress (one per process: a Serve replica); off until then
@@ -65,13 +69,13 @@ add_metrics_routes(api)  # GET /metrics, request_failure counts (outermost: sees
 
 @api.exception_handler(RequestValidationError)
 async def _invalid_request(_: Request, exc: RequestValidationError) -> JSONResponse:
-    """FastAPI's 422 becomes OpenAI's 400; the message and ``param`` name the (first) bad field."""
+    """FastAPI's 422 becomes OpenAI's 400; the message and ``param`` name the (first) bad field
+    (:func:`cluster.protocol.validation_error`)."""
     errors = exc.errors()
     if errors and errors[0]["type"] == "json_invalid":  # loc is a character offset, not a field
         return JSONResponse(error_body(f"body: invalid JSON ({errors[0]['msg']})", None), status_code=400)
-    fields = [".".join(str(p) for p in e["loc"] if p != "body") for e in errors]
-    message = "; ".join(f"{f or 'body'}: {e['msg']}" for f, e in zip(fields, errors))
-    return JSONResponse(error_body(message, fields[0] or None), status_code=400)
+    err = validation_error(errors)
+    return JSONResponse(error_body(err.message, err.param), status_code=400)
 
 
 @api.exception_handler(StarletteHTTPException)
@@ -106,6 +110,24 @@ def _unavailable(message: str, retry_after_s: int) -> JSONResponse:
     """503 with ``Retry-After`` (seconds; see :mod:`cluster.limits`)."""
     return JSONResponse(error_body(message, None, "server_error"), status_code=503,
                         headers={"Retry-After": str(retry_after_s)})
+
+
+async def _end_stream(stream: ResponseStream) -> None:
+    """Let a stream whose last item (finished, or ``Failed``) is in hand end outside the request's
+    deadline and drain switch, so neither turns a complete answer into an error; one that does not
+    end within ``STREAM_END_GRACE_S`` (or sends more) is cancelled. Either way the stream's accounting
+    (a pool's count, an in-process engine slot) runs once."""
+    ended = False
+    try:
+        async with asyncio.timeout(STREAM_END_GRACE_S):
+            await anext(stream)
+    except StopAsyncIteration:
+        ended = True
+    except Exception as err:  # TimeoutError, or an error after the last item: the answer stands
+        log.debug("stream did not end after its last item: %r", err)
+    finally:
+        if not ended:
+            stream.cancel()
 
 
 def _interrupted_response(err: Interrupted) -> JSONResponse:
@@ -189,6 +211,12 @@ class OpenAIIngress:
     async def models(self) -> ModelList:
         return ModelList(data=[ModelCard(id=self.model_name, created=self.created)])
 
+    @api.get("/v1/models/{model:path}")
+    async def model(self, model: str) -> ModelCard:
+        """OpenAI's retrieve-model; an id may hold ``/`` (``org/name``). 404 ``model_not_found`` for another id."""
+        self._check_model(model)
+        return ModelCard(id=self.model_name, created=self.created)
+
     @api.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest):
         self._check_model(body.model)
@@ -257,8 +285,7 @@ class OpenAIIngress:
             log.exception("engine replica unavailable")
             return _failed_response(Failed(500, f"engine unavailable: {type(err).__name__}: {err}"))
         if isinstance(started, Failed):
-            if pool is not None:
-                stream.cancel()  # the request is over: count it out of its pool now
+            await _end_stream(stream)  # the request is over: out of its pool, its engine slot free
             return _failed_response(started)
         if reason is not None:
             started = dataclasses.replace(started, reason=f"{reason}; replica: {started.reason}")
@@ -277,10 +304,13 @@ class OpenAIIngress:
         try:
             async for item in guard.items(stream):
                 if isinstance(item, Failed):
-                    stream.cancel()  # over: a pool counts the request out now
+                    await _end_stream(stream)
                     return _failed_response(item)
                 pieces.append(item.text)
                 last = item
+                if item.finished:
+                    await _end_stream(stream)
+                    break
         except Interrupted as err:
             stream.cancel()
             info_now(log, "request %s ended: %s", fmt.id, err.reason)
@@ -295,7 +325,8 @@ class OpenAIIngress:
     async def _events(self, stream: ResponseStream, started: Started, include_usage: bool,
                       fmt: ChatFormat | CompletionFormat, guard: RequestGuard) -> AsyncIterator[str]:
         """SSE body; on client disconnect the handle call is cancelled, which stops the engine
-        (logged at INFO with the response id); a timeout or an aborting drain ends it with an error event."""
+        (logged at INFO with the response id); a timeout or an aborting drain ends it with an error event
+        (never after the last item: the stream's end is then awaited outside the deadline)."""
         finished = False
         try:
             for chunk in fmt.opening_chunks():
@@ -303,17 +334,20 @@ class OpenAIIngress:
             async for item in guard.items(stream):
                 if isinstance(item, Failed):
                     yield sse(error_body(item.message, item.param, "server_error"))
-                    finished = True
-                elif item.finished:
+                    break
+                if item.finished:
                     yield sse(fmt.chunk(item.text, item.finish_reason, stats_of(started, item)))
                     if include_usage:
                         yield sse(fmt.usage_chunk(usage_of(item)))
-                    finished = True
-                elif item.text:
+                    break
+                if item.text:
                     yield sse(fmt.chunk(item.text))
-            if not finished:
+            else:  # the stream ended without its last item
+                finished = True
                 yield sse(error_body("engine error: the generation ended without a final step", None, "server_error"))
-            finished = True
+            if not finished:  # left at the last item: the stream ends (or is cancelled) outside the guard
+                finished = True
+                await _end_stream(stream)
         except Interrupted as err:
             info_now(log, "request %s ended: %s", fmt.id, err.reason)
             yield sse(error_body(err.message, None, "server_error", err.reason))

@@ -13,15 +13,17 @@ Types are strict (``"max_tokens": "5"`` is a 400, not 5). OpenAI fields rdserve 
 (``UNSUPPORTED``: logprobs, tools, response_format other than text, penalties, ...) are accepted
 only with their "off" value and otherwise rejected with a 400 naming the field, never silently
 ignored; other unknown fields (``user``, ``metadata``, ...) are ignored, as OpenAI-compatible
-servers commonly do.
+servers commonly do. Text (prompt, message content, stop strings) must be valid Unicode (no lone
+UTF-16 surrogate such as JSON ``"\\ud800"``); ``stop`` holds at most ``MAX_STOP_STRINGS`` non-empty
+strings of at most ``MAX_STOP_CHARS`` characters (the engine checks every stop string at every token).
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, create_model, field_validator
 
 from workers.sampling import SamplingParams
 
@@ -41,6 +43,20 @@ class RequestError(ValueError):
 def error_body(message: str, param: str | None, type_: str = "invalid_request_error", code: str | None = None) -> dict:
     """The OpenAI error envelope."""
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+NOT_A_JSON_OBJECT = "the request body must be a JSON object, sent with Content-Type: application/json"
+
+
+def validation_error(errors: list[dict]) -> RequestError:
+    """The 400 for pydantic's validation errors (FastAPI's, their ``loc`` starting with ``"body"``):
+    ``param`` is the first bad field; the message names each bad field with pydantic's text, less its
+    ``"Value error, "`` prefix (a validator's own message)."""
+    fields = [".".join(str(p) for p in e["loc"] if p != "body") for e in errors]
+    if not fields or not fields[0]:  # the body itself: not JSON sent as JSON, or not an object
+        return RequestError(None, f"body: {NOT_A_JSON_OBJECT}")
+    message = "; ".join(f"{f}: {e['msg'].removeprefix('Value error, ')}" for f, e in zip(fields, errors))
+    return RequestError(fields[0], message)
 
 
 MAX_PROMPT_CHARS_PER_TOKEN = 32
@@ -86,13 +102,60 @@ def resolve_max_tokens(requested: int | None, prompt_tokens: int, max_seq_len: i
     return requested
 
 
+def fit_kv_cache(max_tokens: int, prompt_tokens: int, kv_tokens: int, *, defaulted: bool,
+                 prompt_field: str, max_tokens_field: str) -> int:
+    """Completion budget checked against the whole paged KV cache of ``kv_tokens`` slots: a request
+    needs ``prompt_tokens + max_tokens - 1`` at its longest (``workers.sequence.Sequence.max_slots``).
+    A ``defaulted`` budget (the client sent none) is cut to what fits.
+
+    Raises:
+        RequestError: the prompt alone does not fit (names the prompt field), or with ``max_tokens``
+            completion tokens it does not (names ``max_tokens_field``).
+    """
+    room = kv_tokens - prompt_tokens + 1
+    if room < 1:
+        raise RequestError(prompt_field, f"{prompt_field}: the prompt has {prompt_tokens} tokens; the KV cache "
+                                         f"holds {kv_tokens} tokens")
+    if max_tokens <= room or defaulted:
+        return min(max_tokens, room)
+    raise RequestError(
+        max_tokens_field,
+        f"{max_tokens_field}: {max_tokens} completion tokens + {prompt_tokens} prompt tokens need "
+        f"{prompt_tokens + max_tokens - 1} KV cache slots; the cache holds {kv_tokens} "
+        f"(at most {room} completion tokens with this prompt)",
+    )
+
+
 # OpenAI request fields rdserve does not implement, with the values that mean "not used".
 UNSUPPORTED: dict[str, tuple] = {
-    "logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
+    "logprobs": (None, False), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
     "suffix": (None, ""), "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
     "logit_bias": (None, {}), "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
     "function_call": (None, "none"), "response_format": (None, {"type": "text"}),
 }
+
+
+# /v1/completions' ``logprobs`` is a count of alternatives: 0 still asks for the sampled tokens' logprobs.
+COMPLETION_UNSUPPORTED: dict[str, tuple] = {**UNSUPPORTED, "logprobs": (None,)}
+
+MAX_STOP_STRINGS = 4  # OpenAI's limit
+MAX_STOP_CHARS = 256
+
+
+def _valid_unicode(text: str) -> str:
+    """Raises:
+        ValueError: ``text`` holds a lone UTF-16 surrogate (JSON ``"\\ud800"``), which is not Unicode
+            text: no tokenizer can encode it.
+    """
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise ValueError(f"invalid text: a lone UTF-16 surrogate (U+{ord(text[err.start]):04X}) at character "
+                         f"{err.start}") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_valid_unicode)]
 
 
 class RdserveOptions(BaseModel):
@@ -111,6 +174,7 @@ _UnsupportedFields = create_model("_UnsupportedFields", **{name: (Any, None) for
 
 class _GenerationRequest(_UnsupportedFields):
     model_config = ConfigDict(extra="ignore", strict=True)
+    unsupported: ClassVar[dict[str, tuple]] = UNSUPPORTED
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
@@ -118,7 +182,7 @@ class _GenerationRequest(_UnsupportedFields):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0)
     seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
-    stop: str | list[str] | None = None
+    stop: list[Text] | None = None  # a single string is a list of one (``_stop_list``)
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = 1
@@ -128,7 +192,7 @@ class _GenerationRequest(_UnsupportedFields):
     @field_validator(*UNSUPPORTED)
     @classmethod
     def _not_implemented(cls, value, info):
-        allowed = UNSUPPORTED[info.field_name]
+        allowed = cls.unsupported[info.field_name]
         if value not in allowed:
             shown = " or ".join(json.dumps(a) for a in allowed)
             raise ValueError(f"not supported by this server (accepted only as {shown})")
@@ -141,6 +205,48 @@ class _GenerationRequest(_UnsupportedFields):
             raise ValueError("only n=1 is supported")
         return n
 
+    @field_validator("stop", mode="before", json_schema_input_type=str | list[str] | None)
+    @classmethod
+    def _stop_list(cls, stop):
+        """A single stop string is a list of one.
+
+        Raises:
+            ValueError: ``stop`` is neither null, a string nor a list.
+        """
+        if isinstance(stop, str):
+            return [stop]
+        if stop is not None and not isinstance(stop, list):
+            raise ValueError("must be a string or a list of strings")
+        return stop
+
+    @field_validator("stop")
+    @classmethod
+    def _bounded_stop(cls, stop: list[str] | None) -> list[str] | None:
+        """Raises:
+            ValueError: more than ``MAX_STOP_STRINGS`` stop strings, an empty one (it would stop at the
+                first character) or one longer than ``MAX_STOP_CHARS``.
+        """
+        if stop is None:
+            return None
+        if len(stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are supported, got {len(stop)}")
+        for i, text in enumerate(stop):
+            if not text:
+                raise ValueError(f"stop string {i} is empty")
+            if len(text) > MAX_STOP_CHARS:
+                raise ValueError(f"stop string {i} has {len(text)} characters; at most {MAX_STOP_CHARS} are supported")
+        return stop
+
+    @field_validator("stream_options")
+    @classmethod
+    def _only_when_streaming(cls, options: StreamOptions | None, info) -> StreamOptions | None:
+        """Raises:
+            ValueError: ``stream_options`` without ``stream: true`` (as OpenAI answers).
+        """
+        if options is not None and info.data.get("stream") is not True:
+            raise ValueError("only allowed when stream is true")
+        return options
+
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
@@ -151,25 +257,40 @@ class _GenerationRequest(_UnsupportedFields):
 
     def sampling_params(self) -> SamplingParams:
         """Everything but ``max_tokens``, which needs the prompt length (``resolve_max_tokens``)."""
-        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
-        return SamplingParams(temperature=self.temperature, top_p=self.top_p,
-                              top_k=self.top_k, seed=self.seed, stop=stop, ignore_eos=self.ignore_eos)
+        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                              seed=self.seed, stop=tuple(self.stop or ()), ignore_eos=self.ignore_eos)
 
 
 class TextPart(BaseModel):
     model_config = ConfigDict(strict=True)
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(BaseModel):
+    """``content``: a string or a list of text parts; a string is kept as one text part."""
+
     model_config = ConfigDict(strict=True)
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    content: list[TextPart]
+
+    @field_validator("content", mode="before", json_schema_input_type=str | list[TextPart])
+    @classmethod
+    def _text_or_parts(cls, content):
+        """A string is one text part.
+
+        Raises:
+            ValueError: ``content`` is neither a string nor a list, or a string that is not valid Unicode.
+        """
+        if isinstance(content, str):
+            return [{"type": "text", "text": _valid_unicode(content)}]
+        if not isinstance(content, list):
+            raise ValueError("must be a string or a list of text parts")
+        return content
 
     def as_template_input(self) -> dict:
         """``{"role", "content"}`` with text parts joined, as chat templates expect."""
-        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        text = "".join(p.text for p in self.content)
         return {"role": "system" if self.role == "developer" else self.role, "content": text}
 
 
@@ -187,7 +308,10 @@ class ChatCompletionRequest(_GenerationRequest):
 
 
 class CompletionRequest(_GenerationRequest):
-    prompt: str | list[str]
+    """``prompt``: a string, or a list of one string (kept as that string)."""
+
+    unsupported: ClassVar[dict[str, tuple]] = COMPLETION_UNSUPPORTED
+    prompt: Text
     max_tokens: int | None = Field(COMPLETIONS_DEFAULT_MAX_TOKENS, ge=1)
 
     @field_validator("max_tokens")
@@ -196,16 +320,25 @@ class CompletionRequest(_GenerationRequest):
         """An explicit ``null`` is OpenAI's default (16), as when the field is absent."""
         return COMPLETIONS_DEFAULT_MAX_TOKENS if value is None else value
 
-    @field_validator("prompt")
+    @field_validator("prompt", mode="before", json_schema_input_type=str | list[str])
     @classmethod
-    def _single_prompt(cls, prompt: str | list[str]) -> str | list[str]:
-        if isinstance(prompt, list) and len(prompt) != 1:
-            raise ValueError("only a single prompt string is supported")
+    def _single_prompt(cls, prompt):
+        """A list of one prompt is that prompt.
+
+        Raises:
+            ValueError: a list of other than one prompt, or neither a string nor a list.
+        """
+        if isinstance(prompt, list):
+            if len(prompt) != 1:
+                raise ValueError("only a single prompt string is supported")
+            return prompt[0]
+        if not isinstance(prompt, str):
+            raise ValueError("must be a string or a list of one string")
         return prompt
 
     @property
     def prompt_text(self) -> str:
-        return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
+        return self.prompt
 
     @property
     def max_tokens_field(self) -> str:

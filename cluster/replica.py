@@ -15,6 +15,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 
+from jinja2.exceptions import TemplateError, TemplateSyntaxError
 from ray import serve
 from ray.serve.exceptions import RayServeException
 
@@ -22,7 +23,7 @@ from cluster.config import RdserveConfig
 from cluster.local_engine import build_engine
 from cluster.observability.recorder import ReplicaMetrics
 from cluster.placement import placement_gpu_ids, uses_gpu_placement
-from cluster.protocol import RequestError, check_prompt_chars, resolve_max_tokens
+from cluster.protocol import RequestError, check_prompt_chars, fit_kv_cache, resolve_max_tokens
 from cluster.replica_stats import TtftWindow, engine_stats
 from cluster.router import choose_mode, router_for_kernel
 from workers.async_engine import AsyncEngine, EngineFailure
@@ -174,6 +175,19 @@ class EngineReplica:
         finally:
             self.load -= 1
 
+    def _budget(self, req: EngineRequest, prompt_tokens: int, prompt_field: str) -> int:
+        """The request's completion budget within the context length and the whole KV cache.
+
+        Raises:
+            RequestError: the prompt is empty, or it (or it with ``req.max_tokens``) does not fit.
+        """
+        max_tokens = resolve_max_tokens(req.max_tokens, prompt_tokens, self.engine.max_seq_len,
+                                        prompt_field=prompt_field, max_tokens_field=req.max_tokens_field)
+        blocks = self.engine.blocks
+        return fit_kv_cache(max_tokens, prompt_tokens, blocks.num_blocks * blocks.block_size,
+                            defaulted=req.max_tokens is None, prompt_field=prompt_field,
+                            max_tokens_field=req.max_tokens_field)
+
     async def _generate(self, req: EngineRequest) -> AsyncIterator[Started | Failed | GenerationDelta]:
         prompt_field = "messages" if req.messages is not None else "prompt"
         try:
@@ -183,14 +197,13 @@ class EngineReplica:
                 prompt_ids = await self.async_engine.call(self.engine.encode_chat, req.messages)
             else:
                 prompt_ids = await self.async_engine.call(self.engine.encode_prompt, req.prompt)
-            max_tokens = resolve_max_tokens(
-                req.max_tokens, len(prompt_ids), self.engine.max_seq_len,
-                prompt_field=prompt_field, max_tokens_field=req.max_tokens_field,
-            )
+            max_tokens = self._budget(req, len(prompt_ids), prompt_field)
         except RequestError as err:
             yield Failed(400, err.message, err.param)
             return
-        except ValueError as err:  # e.g. no chat template
+        except TemplateSyntaxError:  # the model's chat template is broken: a server fault (500)
+            raise
+        except (ValueError, TemplateError) as err:  # no chat template, or its raise_exception ("roles must alternate")
             yield Failed(400, f"{prompt_field}: {err}", prompt_field)
             return
         mode, reason = choose_mode(self.load, req.mode, self.router, self.engine.speculative_available,
@@ -199,12 +212,13 @@ class EngineReplica:
         params = replace(req.sampling, max_tokens=max_tokens)
         start, first = time.monotonic(), True
         try:
-            async with contextlib.aclosing(self.async_engine.generate(prompt_ids, params, mode)) as deltas:
+            async with contextlib.aclosing(self.async_engine.generate(
+                    prompt_ids, params, mode, force_draft=req.mode == "spec")) as deltas:  # a forced spec drafts
                 async for delta in deltas:
                     if first:  # Started goes out with the first token: nothing else crosses Ray during prefill,
                         self.ttft.add(time.monotonic() - start)  # and a request the engine rejects is a clean 400
                         yield Started(len(prompt_ids), mode, reason, self.replica_id)
                         first = False
                     yield delta
-        except ValueError as err:  # rejected by the engine (e.g. more than the KV cache can hold)
+        except ValueError as err:  # rejected by the engine (the KV cache's capacity is checked by _budget)
             yield Failed(400, f"{prompt_field}: {err}", prompt_field)

@@ -1,5 +1,7 @@
-"""The served OpenAI API over real HTTP: Ray Serve + the real Engine on the tiny model."""
+"""The served OpenAI API over real HTTP: Ray Serve + the real Engine on the tiny model; the ingress's
+handling of a stream's end with stub engine streams, without Ray."""
 
+import asyncio
 import json
 
 import httpx
@@ -40,6 +42,10 @@ def test_health_and_models(http):
     assert check_kernel_name(health["kernel"]) and health["spec_max_load"] >= 0  # the compute path, its threshold
     models = http.get("/v1/models").json()
     assert models["object"] == "list" and [m["id"] for m in models["data"]] == [MODEL_NAME]
+    model = http.get(f"/v1/models/{MODEL_NAME}").json()
+    assert model == models["data"][0]
+    resp = http.get("/v1/models/gpt-4o")
+    assert resp.status_code == 404 and resp.json()["error"]["code"] == "model_not_found"
 
 
 @pytest.mark.parametrize("path, body", [CHAT, TEXT])
@@ -142,15 +148,29 @@ LONG = "x" * 2000  # beyond the tiny model's context (max_seq_len 256; 1024 posi
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "tools": [{"type": "function"}]},
          "tools"),
         ("/v1/completions", {"prompt": "a", "presence_penalty": 0.5}, "presence_penalty"),
+        ("/v1/completions", {"prompt": "a", "logprobs": 0}, "logprobs"),
+        ("/v1/completions", {"prompt": "a", "stop": ["x" * 4096] * 250}, "stop"),
+        ("/v1/completions", {"prompt": "a", "stop": ""}, "stop"),
+        ("/v1/completions", {"prompt": "a\ud800"}, "prompt"),
+        ("/v1/completions", {"prompt": "a", "stop": ["\ud800"]}, "stop.0"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "\ud800"}]}, "messages.0.content"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": None}]}, "messages.0.content"),
     ],
 )
 def test_bad_requests_are_400_naming_the_field(http, path, body, param):
-    for stream in (False, True):
-        resp = http.post(path, json={**body, "stream": stream})
+    for stream in (False, True):  # json.dumps keeps a lone surrogate as the JSON escape "\ud800"
+        resp = http.post(path, content=json.dumps({**body, "stream": stream}), headers={"content-type": "application/json"})
         assert resp.status_code == 400, resp.text
         error = resp.json()["error"]
         assert error["type"] == "invalid_request_error" and error["param"] == param and error["code"] is None
-        assert error["message"].startswith(f"{param}:")
+        assert error["message"].startswith(f"{param}:") and "Value error" not in error["message"]
+
+
+def test_stream_options_need_stream_and_a_body_must_be_json(http):
+    resp = http.post("/v1/completions", json={"prompt": "a", "stream_options": {"include_usage": True}})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "stream_options"
+    resp = http.post("/v1/completions", content=b"prompt=a", headers={"content-type": "text/plain"})
+    assert resp.status_code == 400 and "Content-Type: application/json" in resp.json()["error"]["message"]
 
 
 def test_malformed_json_unknown_paths_and_huge_prompts_get_openai_errors(http):
@@ -201,3 +221,121 @@ def test_client_disconnect_releases_the_replica(http):
             break
     assert http.get("/health").json()["load"] == 0
     assert http.post("/v1/completions", json={"prompt": "abc", "max_tokens": 4}).status_code == 200
+
+
+class EndsLate:
+    """A stub engine stream: ``items``, then its end ``end_after_s`` later (with an engine deployment the
+    end is its own Ray message), or never (None)."""
+
+    def __init__(self, items: list, end_after_s: float | None):
+        self.items, self.end_after_s = list(items), end_after_s
+        self.cancelled = False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if self.items:
+            return self.items.pop(0)
+        if self.end_after_s is None:
+            await asyncio.Event().wait()
+        await asyncio.sleep(self.end_after_s)
+        raise StopAsyncIteration
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class StubClient:
+    """An engine client whose one stream is ``stream``, counted as a pool counts it (``TrackedStream``)."""
+
+    def __init__(self, stream: EndsLate):
+        self.inner, self.done = stream, 0
+
+    def stream(self, _request):
+        from cluster.pools import TrackedStream
+
+        return TrackedStream(self.inner, self.count_done)
+
+    def count_done(self) -> None:
+        self.done += 1
+
+
+def final_delta(text: str = "hi"):
+    from workers.engine import GenerationDelta
+
+    return GenerationDelta(text=text, token_ids=[1], finished=True, finish_reason="stop", prompt_tokens=3,
+                           completion_tokens=1, num_steps=1, accepted_draft_tokens=0)
+
+
+def stub_ingress(client: StubClient, timeout_s: float | None):
+    """The ingress class, without Serve, on ``client`` with ``serve.request_timeout_s`` ``timeout_s``."""
+    from cluster.drain import Admission
+    from cluster.openai_api import OpenAIIngress
+
+    bare = type("BareIngress", (OpenAIIngress.func_or_class,), {"__del__": lambda self: None})  # no ASGI app to close
+    ingress = object.__new__(bare)
+    ingress.engine, ingress.pool_load, ingress.model_name = client, None, MODEL_NAME
+    ingress.admission = Admission(timeout_s)
+    return ingress
+
+
+async def answer(ingress, stream: bool) -> tuple[int, list]:
+    """POST /v1/completions on the stub ingress: the status and the JSON body (or the SSE data lines)."""
+    from cluster.protocol import CompletionRequest
+
+    resp = await ingress.completions(CompletionRequest(prompt="a", stream=stream))
+    if not stream:
+        return resp.status_code, [json.loads(resp.body)]
+    return resp.status_code, [chunk async for chunk in resp.body_iterator]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_request_whose_final_item_is_in_hand_is_not_timed_out_by_its_stream_end(stream):
+    """The final item arrives at once, the stream's end 0.1 s later, past the 0.05 s deadline."""
+    from cluster.replica import Started
+
+    client = StubClient(EndsLate([Started(3, "plain", "requested plain", "local"), final_delta()], 0.1))
+    status, body = asyncio.run(answer(stub_ingress(client, timeout_s=0.05), stream))
+    assert status == 200, body
+    if stream:
+        assert body[-1] == "data: [DONE]\n\n" and not any('"error"' in line for line in body)
+        assert json.loads(body[-2][len("data: "):])["choices"][0]["finish_reason"] == "stop"
+    else:
+        assert body[0]["choices"][0]["text"] == "hi"
+    assert client.done == 1 and not client.inner.cancelled  # it ended by itself, counted out once
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_stream_that_does_not_end_after_its_final_item_is_cancelled(stream, monkeypatch):
+    from cluster import openai_api
+    from cluster.replica import Failed, Started
+
+    monkeypatch.setattr(openai_api, "STREAM_END_GRACE_S", 0.05)
+    client = StubClient(EndsLate([Started(3, "plain", "requested plain", "local"), final_delta()], None))
+    status, body = asyncio.run(answer(stub_ingress(client, timeout_s=None), stream))
+    assert status == 200 and client.done == 1 and client.inner.cancelled
+    assert (body[-1] == "data: [DONE]\n\n") if stream else body[0]["choices"][0]["text"] == "hi"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_engine_error_is_not_followed_by_a_timeout(stream):
+    from cluster.replica import Failed, Started
+
+    client = StubClient(EndsLate([Started(3, "plain", "requested plain", "local"), Failed(500, "boom")], 0.1))
+    status, body = asyncio.run(answer(stub_ingress(client, timeout_s=0.05), stream))
+    if stream:  # the engine's error, not a timeout after it
+        assert status == 200 and sum('"error"' in line for line in body) == 1 and "boom" in body[-2]
+    else:
+        assert status == 500 and body[0]["error"]["message"] == "boom"
+    assert client.done == 1 and not client.inner.cancelled
+
+
+def test_retrieve_model_knows_only_the_served_model():
+    from cluster.openai_api import ModelNotFound
+
+    ingress = stub_ingress(StubClient(EndsLate([], 0.0)), timeout_s=None)
+    ingress.created = 0
+    assert asyncio.run(ingress.model(MODEL_NAME)).id == MODEL_NAME
+    with pytest.raises(ModelNotFound, match="'org/other' does not exist"):
+        asyncio.run(ingress.model("org/other"))

@@ -24,6 +24,11 @@ def request(max_tokens: int, mode: str | None = None, prompt: str = "Once upon a
                          max_tokens=max_tokens, max_tokens_field="max_tokens", mode=mode)
 
 
+def chat(messages: list[dict], max_tokens: int | None = None, mode: str | None = None) -> EngineRequest:
+    return EngineRequest(prompt=None, messages=messages, sampling=SamplingParams(temperature=0.0),
+                         max_tokens=max_tokens, max_tokens_field="max_tokens", mode=mode)
+
+
 async def collect(stream, limit: int | None = None) -> list:
     items = []
     async for item in stream:
@@ -45,6 +50,38 @@ def test_stream_is_started_then_deltas_ending_finished(replica):
 def test_empty_prompt_is_rejected_as_400(replica):
     (failed,) = asyncio.run(collect(replica.generate(request(8, prompt=""))))
     assert failed == Failed(400, "prompt: the prompt is empty (0 tokens)", "prompt")
+
+
+def test_a_chat_template_error_is_400_naming_messages(replica):
+    """Llama-2 and Mistral templates reject roles that do not alternate with ``raise_exception``."""
+    tokenizer = replica.engine.tokenizer
+    template = tokenizer.chat_template
+    tokenizer.chat_template = "{{ raise_exception('Conversation roles must alternate user/assistant') }}"
+    try:
+        (failed,) = asyncio.run(collect(replica.generate(chat([{"role": "user", "content": "a"}] * 2, 8))))
+    finally:
+        tokenizer.chat_template = template
+    assert failed == Failed(400, "messages: Conversation roles must alternate user/assistant", "messages")
+    assert replica.load == 0
+
+
+def test_a_request_beyond_the_kv_cache_names_the_field_at_fault(tiny_config):
+    """A cache of 4 blocks x 16 = 64 slots: max_tokens that overflow it are named, not the prompt
+    (the prompt is named when it alone overflows); a default budget is cut to fit."""
+    eng = tiny_config.engine.model_copy(update={"num_kv_blocks": 4, "tokens_per_block": 16})
+    small = EngineReplica.func_or_class(tiny_config.model_copy(update={"engine": eng}))
+    try:
+        (failed,) = asyncio.run(collect(small.generate(request(100, "plain"))))
+        assert failed.status == 400 and failed.param == "max_tokens"
+        assert failed.message.startswith("max_tokens: 100 completion tokens + ") and "the cache holds 64" in failed.message
+        assert "req-" not in failed.message
+        (failed,) = asyncio.run(collect(small.generate(request(1, "plain", prompt="x" * 100))))
+        assert failed.status == 400 and failed.param == "prompt" and "the KV cache holds 64 tokens" in failed.message
+        items = asyncio.run(collect(small.generate(chat([{"role": "user", "content": "Hi"}], mode="plain"))))
+        last = items[-1]
+        assert last.finished and last.prompt_tokens + last.completion_tokens - 1 <= 64
+    finally:
+        small.async_engine.shutdown()
 
 
 def wait_until_idle(replica, timeout_s: float = 10.0) -> None:
