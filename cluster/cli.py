@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Literal, NoReturn
 
 import httpx
+from jinja2.exceptions import TemplateError
 import typer
 from rich.console import Console
 
@@ -307,9 +308,9 @@ def _generate_one(engine, item: dict, params, mode: Literal["spec", "plain"]) ->
     start = time.perf_counter()
     try:
         ids = engine.encode_chat(item["messages"]) if "messages" in item else engine.encode_prompt(item["prompt"])
-    except ValueError as err:  # no chat template
+    except (ValueError, TemplateError) as err:  # no chat template, or its raise_exception ("roles must alternate")
         raise _Unservable(str(err)) from None
-    deltas = engine.generate(ids, params, mode)
+    deltas = engine.generate(ids, params, mode, force_draft=mode == "spec")
     try:
         first = next(deltas)  # the request is queued here: add_request refuses what cannot fit
     except ValueError as err:

@@ -206,14 +206,17 @@ class EngineReplica:
         except (ValueError, TemplateError) as err:  # no chat template, or its raise_exception ("roles must alternate")
             yield Failed(400, f"{prompt_field}: {err}", prompt_field)
             return
-        mode, reason = choose_mode(self.load, req.mode, self.router, self.engine.speculative_available,
-                                   self.per_iteration)
+        can_draft = self.engine.speculative_available and self.engine.forced_shape is not None
+        mode, reason = choose_mode(self.load, req.mode, self.router, can_draft, self.per_iteration,
+                                   "no drafter loaded" if not self.engine.speculative_available
+                                   else "speculation off (engine.spec_schedule)")
         log.info("request: %d prompt tokens, max_tokens %d, mode %s (%s)", len(prompt_ids), max_tokens, mode, reason)
         params = replace(req.sampling, max_tokens=max_tokens)
         start, first = time.monotonic(), True
         try:
             async with contextlib.aclosing(self.async_engine.generate(
-                    prompt_ids, params, mode, force_draft=req.mode == "spec")) as deltas:  # a forced spec drafts
+                    prompt_ids, params, mode,  # a spec requested, or the default mode, drafts every step
+                    force_draft=(req.mode or self.router.default_mode) == "spec")) as deltas:
                 async for delta in deltas:
                     if first:  # Started goes out with the first token: nothing else crosses Ray during prefill,
                         self.ttft.add(time.monotonic() - start)  # and a request the engine rejects is a clean 400

@@ -15,7 +15,7 @@ MODES = ("auto", "spec", "plain")
 
 def choose_mode(
     load: int, requested: str | None, cfg: RouterConfig, speculative_available: bool,
-    per_iteration: bool = False,
+    per_iteration: bool = False, unavailable: str = "no drafter loaded",
 ) -> tuple[str, str]:
     """Decide ``("spec" | "plain", reason)`` for one request.
 
@@ -24,14 +24,15 @@ def choose_mode(
     per_iteration: the engine runs the goodput model (``engine.spec_schedule: auto``); an ``auto``
     request may then speculate, and the engine decides each iteration whether it drafts (plain at
     high load or while its own acceptance is below break-even).
-    A forced ``spec`` without a drafter degrades to plain (the reason says so) rather than failing.
+    A forced ``spec`` without a drafter degrades to plain (the reason says so) rather than failing;
+    ``unavailable`` is that reason when speculation is unavailable for another cause.
     """
     mode = requested or cfg.default_mode
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     source = "requested" if requested else "default_mode"
     if not speculative_available:
-        return "plain", f"no drafter loaded ({source} {mode})"
+        return "plain", f"{unavailable} ({source} {mode})"
     if mode == "spec":
         return "spec", f"{source} spec"
     if mode == "plain":

@@ -88,7 +88,13 @@ def sample_keyed(probs: torch.Tensor, draws: list[float]) -> list[int]:
     Row i's token is the first index whose cumulative probability (float64) exceeds
     ``draws[i] * total``, so it is distributed exactly as the row for a uniform draw, never a
     zero-probability token, and the same draw on the same row gives the same token.
+
+    Raises:
+        RuntimeError: a row with NaN, infinite or negative entries, or no mass (as ``torch.multinomial``
+            does: the logits were not a distribution, e.g. after an overflow).
     """
+    if not torch.isfinite(probs).all() or (probs < 0).any() or not (probs.sum(-1) > 0).all():
+        raise RuntimeError("probability tensor contains either inf, nan, element < 0 or a row without mass")
     cdf = probs.double().cumsum(-1)
     targets = torch.tensor(draws, dtype=torch.float64, device=probs.device) * cdf[:, -1]
     tokens = torch.searchsorted(cdf, targets.unsqueeze(-1), right=True).squeeze(-1).tolist()

@@ -106,6 +106,7 @@ BY_NAME = {m.name: m for m in METRICS}
 
 ROUTER_REASONS = {  # choose_mode's reason text (prefix) -> the reason label
     "no drafter loaded": "no_drafter",
+    "speculation off": "spec_off",
     "requested": "requested",
     "default_mode": "default_mode",
     "auto: the goodput model": "auto_goodput",

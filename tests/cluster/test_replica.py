@@ -147,3 +147,18 @@ def test_a_path_without_calibration_admits_spec_as_far_as_its_fallback_drafts(ti
         assert stats["spec_max_load"] == 1 and stats["spec_schedule"] == "2x3<=1, off above"
     finally:
         replica.async_engine.shutdown()
+
+
+def test_a_forced_spec_where_speculation_is_off_is_plain_and_says_why(tiny_config):
+    """A drafter with ``engine.spec_schedule: off`` never drafts (no tree shape, none in the KV cache):
+    a request forcing spec is decoded plain and the response says so, instead of claiming spec."""
+    eng = tiny_config.engine.model_copy(update={"spec_schedule": "off"})
+    off = EngineReplica.func_or_class(tiny_config.model_copy(update={"engine": eng}))
+    try:
+        assert off.engine.speculative_available and off.engine.forced_shape is None
+        items = asyncio.run(collect(off.generate(request(8, "spec"))))
+        assert isinstance(items[0], Started) and items[0].mode == "plain"
+        assert items[0].reason == "speculation off (engine.spec_schedule) (requested spec)"
+        assert items[-1].finished and items[-1].accepted_draft_tokens == 0
+    finally:
+        off.async_engine.shutdown()

@@ -55,3 +55,9 @@ def test_router_threshold_follows_the_kernels_schedule():
     assert router_for_kernel(cfg, table, "gguf-avx512-int8").spec_max_load == 0
     assert router_for_kernel(cfg, table, "float32-torch") is cfg and router_for_kernel(cfg, None, "cuda") is cfg
     assert cfg.spec_max_load == 2
+
+
+def test_speculation_unavailable_for_another_cause_says_which():
+    """A drafter with ``engine.spec_schedule: off`` can never draft: a forced spec is plain and says why."""
+    mode, reason = choose_mode(1, "spec", RouterConfig(), False, unavailable="speculation off (engine.spec_schedule)")
+    assert mode == "plain" and reason == "speculation off (engine.spec_schedule) (requested spec)"

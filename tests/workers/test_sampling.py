@@ -109,3 +109,10 @@ def test_tiny_temperatures_give_a_distribution_not_nan(temperature):
     probs = adjusted_probs(logits, SamplingParams(temperature=temperature))
     assert torch.isfinite(probs).all() and torch.allclose(probs.sum(-1), torch.ones(1))
     assert int(probs.argmax()) == 1 and float(probs[0, 1]) > 0.99
+
+
+@pytest.mark.parametrize("row", [[float("nan"), 0.5, 0.5], [float("inf"), 0.0, 0.0], [-0.1, 0.6, 0.5], [0.0, 0.0, 0.0]])
+def test_sample_keyed_refuses_what_is_not_a_distribution(row):
+    """As torch.multinomial did: NaN logits (an overflow) must fail the request, not emit a token."""
+    with pytest.raises(RuntimeError, match="probability tensor"):
+        sample_keyed(torch.tensor([row]), [0.5])

@@ -38,6 +38,8 @@ def test_every_router_reason_has_a_bounded_label(requested, load, per_iteration,
     assert reason_label(reason) == label
     _, reason = choose_mode(1, None, RouterConfig(default_mode="plain"), True)
     assert reason_label(reason) == "default_mode"
+    _, reason = choose_mode(1, "spec", RouterConfig(), False, unavailable="speculation off (engine.spec_schedule)")
+    assert reason_label(reason) == "spec_off"
 
 
 def test_dashboard_has_the_rows_variables_and_only_known_metrics(tmp_path):
