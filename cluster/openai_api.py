@@ -10,6 +10,7 @@ for FastAPI to see request bodies.
 """
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -167,12 +168,21 @@ class OpenAIIngress:
         self.pools = {name: e.deployment_name for name, e in self.engines.items()}  # for the replica counts
         self.pool_load = None
         self._refresh = None
+        self._pools_ready = asyncio.Event()  # set once every pool's handle has answered (or failed) once
         if pool_policy is not None:
             self.pool_load = PoolLoad(StepCosts.load(pool_policy["calibration"]), tuple(pool_policy["shape"]))
 
     async def _refresh_pools(self) -> None:
         """Two-pool mode: every ``POOL_REFRESH_S``, the pools' running replicas and the spec pool's
-        live tokens per step (what :meth:`PoolLoad.choose` weighs besides the ingress's own counts)."""
+        live tokens per step (what :meth:`PoolLoad.choose` weighs besides the ingress's own counts).
+
+        First, one call through every pool's handle, so each handle's router has its replicas before
+        the first request is routed: twice in CI (stop 28, stop 30) the first request of a fresh
+        two-pool app, sent through a handle created for it, was never routed (120 s, then the client
+        gave up) while calls sent through the same handle 50 ms later were."""
+        await asyncio.gather(*(asyncio.wait_for(c.routing_stats(), REPLICA_COUNTS_TIMEOUT_S)
+                               for c in self.engines.values()), return_exceptions=True)
+        self._pools_ready.set()
         while True:
             counts = await replica_counts(self.app_name, self.pools, REPLICA_COUNTS_TIMEOUT_S)
             for pool, count in (counts or {}).items():
@@ -265,6 +275,9 @@ class OpenAIIngress:
         if self.pool_load is not None:
             if self._refresh is None:
                 self._refresh = asyncio.ensure_future(self._refresh_pools())
+            if not self._pools_ready.is_set():  # the first requests wait for the handles (bounded)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._pools_ready.wait(), 2 * REPLICA_COUNTS_TIMEOUT_S)
             pool, reason = (req.mode, f"pool {req.mode}: requested") if req.mode in ("spec", "plain") \
                 else self.pool_load.choose()
             client, req = self.engines[pool], dataclasses.replace(req, mode=pool)

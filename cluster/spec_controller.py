@@ -138,7 +138,9 @@ class SpecController:
         self._tau = (shape, (1 - a) * taus[shape] + a * tokens)
 
     def stats(self) -> dict:
-        """For routing stats and responses: current shape, live tau, switches so far."""
+        """For routing stats and responses: current shape, live tau (None before the first iteration:
+        no estimate yet, not plain decoding), switches so far."""
         shape = self.current
-        return {"shape": None if shape is None else f"{shape[0]}x{shape[1]}", "tau": round(self.tau, 4),
+        return {"shape": None if shape is None else f"{shape[0]}x{shape[1]}",
+                "tau": round(self.tau, 4) if self.started else None,
                 "switches": self.switches}

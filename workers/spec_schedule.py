@@ -177,6 +177,7 @@ class TablePolicy:
         self.ema_alpha = ema_alpha
         self._last_shape: Shape | None = None
         self._tau: float | None = None
+        self._iterations = 0  # shape_for calls: none yet means no estimate, not plain decoding
 
     @property
     def shapes(self) -> list[Shape]:
@@ -184,6 +185,7 @@ class TablePolicy:
 
     def shape_for(self, b: int) -> Shape | None:
         self._last_shape = choose_shape(self.table, b)
+        self._iterations += 1
         return self._last_shape
 
     def new_request_state(self) -> dict:
@@ -200,7 +202,7 @@ class TablePolicy:
 
     def stats(self) -> dict:
         """``shape`` of the last iteration (``"BxD"`` or None) and ``tau``: tokens per drafted step
-        (None before any draft), 1.0 while decoding plain."""
+        (None before any draft, and before the first iteration), 1.0 while decoding plain."""
         shape = self._last_shape
         return {"shape": None if shape is None else f"{shape[0]}x{shape[1]}",
-                "tau": 1.0 if shape is None else self._tau}
+                "tau": None if not self._iterations else 1.0 if shape is None else self._tau}

@@ -162,3 +162,13 @@ def test_request_below_break_even_decodes_plain_and_probes():
     for _ in range(4):  # the probes find acceptance again
         c.observe(state, (1, 2), True, 2)
     assert c.drafts(state, 8, (1, 2))
+
+
+def test_the_controller_reports_no_tau_before_its_first_iteration():
+    """Stats read before any iteration (a router or a pool ingress polling a fresh replica) carry no
+    estimate instead of 1.0, which reads as "every draft fails"."""
+    controller = SpecController(StepCosts(plain_s={1: 0.010}, spec_s={(2, 2): {1: 0.012}},
+                                          tokens_per_step={(2, 2): 2.0}))
+    assert controller.stats()["tau"] is None
+    controller.shape_for(1)
+    assert controller.stats()["tau"] == 2.0

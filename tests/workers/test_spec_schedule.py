@@ -6,7 +6,7 @@ import pytest
 import yaml
 from pydantic import BaseModel
 
-from workers.spec_schedule import SpecSchedule, choose_shape, derive_schedule, fixed_schedule, validate_schedule
+from workers.spec_schedule import SpecSchedule, TablePolicy, choose_shape, derive_schedule, fixed_schedule, validate_schedule
 
 TABLE = [
     {"max_batch_size": 1, "num_beams": 2, "draft_len_per_beam": 4},
@@ -103,3 +103,15 @@ def test_fixed_schedule_uses_one_shape_up_to_its_batch_size():
     table = fixed_schedule((2, 3), 8)
     assert [choose_shape(table, n) for n in (1, 8, 9)] == [(2, 3), (2, 3), None]
     assert fixed_schedule(None, 8) == "off"
+
+
+def test_a_table_policy_has_no_acceptance_estimate_before_its_first_iteration():
+    """A replica asked for stats before it ran anything (a two-pool ingress warms its handles up at
+    start) must not report tau 1.0, which reads as "drafts fail" and sent a test's requests to the
+    plain pool; plain decoding still reports 1.0."""
+    policy = TablePolicy(validate_schedule([{"max_batch_size": 1, "num_beams": 2, "draft_len_per_beam": 2}]))
+    assert policy.stats()["tau"] is None
+    assert policy.shape_for(4) is None and policy.stats()["tau"] == 1.0
+    assert policy.shape_for(1) == (2, 2) and policy.stats()["tau"] is None  # drafting, nothing observed yet
+    policy.observe({}, (2, 2), True, 2)
+    assert policy.stats()["tau"] == 3.0
