@@ -93,10 +93,11 @@ def sample_keyed(probs: torch.Tensor, draws: list[float]) -> list[int]:
         RuntimeError: a row with NaN, infinite or negative entries, or no mass (as ``torch.multinomial``
             does: the logits were not a distribution, e.g. after an overflow).
     """
-    if not torch.isfinite(probs).all() or (probs < 0).any() or not (probs.sum(-1) > 0).all():
-        raise RuntimeError("probability tensor contains either inf, nan, element < 0 or a row without mass")
     cdf = probs.double().cumsum(-1)
-    targets = torch.tensor(draws, dtype=torch.float64, device=probs.device) * cdf[:, -1]
+    totals = cdf[:, -1]  # NaN or inf anywhere in a row makes its total so
+    if not (torch.isfinite(totals).all() and (totals > 0).all() and probs.min() >= 0):
+        raise RuntimeError("probability tensor contains either inf, nan, element < 0 or a row without mass")
+    targets = torch.tensor(draws, dtype=torch.float64, device=probs.device) * totals
     tokens = torch.searchsorted(cdf, targets.unsqueeze(-1), right=True).squeeze(-1).tolist()
     vocab = probs.shape[-1]
     for i, token in enumerate(tokens):
