@@ -9,6 +9,8 @@ os.environ.setdefault("TQDM_DISABLE", "1")  # no progress bars from the training
 import pytest
 import torch
 
+from compute_paths import describe_machine, record, summary_lines
+
 # Tiny models are far faster on one thread than on two contended ones.
 torch.set_num_threads(1)
 
@@ -62,3 +64,32 @@ def trained_drafter_dirs(tiny_model_dirs, tmp_path_factory):
 
     root = tmp_path_factory.mktemp("tiny_drafters")
     return _BuiltOnDemand(lambda name: make_trained_tiny_drafter_dir(tiny_model_dirs[name], root / name.replace("@", "-")))
+
+
+@pytest.fixture(params=["avx512", "avx2"])
+def isa(request, monkeypatch):
+    """Every kernel build this CPU runs (``avx512``, ``avx2``), forced through ``RDSERVE_CPU_ISA``
+    while the test builds its modules (a module keeps the variant it was built with); a build the CPU
+    cannot run skips, naming the instruction sets it lacks."""
+    from workers.kernels import build
+
+    if not build.available():
+        pytest.skip("CPU kernels unavailable here (no C compiler or no AVX2, or RDSERVE_CPU_KERNELS=0)")
+    if request.param not in build.supported_isas():
+        missing = build.missing_cpu_flags(build.ISA_CPU_FLAGS[request.param])
+        pytest.skip(f"needs {request.param.upper()} (this CPU lacks {', '.join(missing)})")
+    monkeypatch.setenv("RDSERVE_CPU_ISA", request.param)
+    return request.param
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    record(item, outcome.get_result())
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Once per run: the CPU, its instruction sets and the compute paths the run exercised and skipped."""
+    terminalreporter.write_sep("-", "machine and compute paths")
+    for line in describe_machine() + summary_lines():
+        terminalreporter.write_line(line)

@@ -13,12 +13,18 @@ from ray import serve
 
 from cluster.app import deploy
 from cluster.config import PoolConfig, PoolsConfig
+from cluster.goodput import StepCosts
+from cluster.pools import choose_pool
 
 MODEL_NAME = "tiny-llama"
 # Step costs that make one tree cheap next to one request and costly in a batch (the tiny model's own
-# costs do not matter: the ingress decides from this file).
+# costs do not matter: the ingress decides from this file). The ingress also weighs the spec pool's
+# live tokens per step (tau), which the tiny model's drafter sets by its luck on the prompts (a CI run
+# saw 1.00); the costs are chosen so that the decisions under test hold for every tau a 2x3 tree can
+# give (1 <= tau <= 4): alone, a request speculates (tau / 0.025 >= 40 tok/s against 1 / 0.030 = 33
+# plain); a burst spills (at 7 in flight on the spec pool even tau 4 gives 4 / 0.14 = 29 < 33).
 CALIBRATION = {"plain_step_s": {"1": 0.030, "4": 0.040, "8": 0.060},
-               "spec_step_s": {"1:2x3": 0.036, "4:2x3": 0.080, "8:2x3": 0.160},
+               "spec_step_s": {"1:2x3": 0.025, "4:2x3": 0.080, "8:2x3": 0.160},
                "tokens_per_step": {"2x3": 2.0}}
 
 
@@ -51,6 +57,15 @@ async def complete(client: httpx.AsyncClient, i: int, stream: bool = False) -> d
                 text += [c["text"] for c in chunk["choices"]]
                 reason = (chunk.get("rdserve") or {}).get("reason") or reason
     return {"text": "".join(text), "reason": reason}
+
+
+@pytest.mark.parametrize("tau", [1.0, 1.5, 2.0, 3.0, 4.0])
+def test_the_calibration_decides_whatever_the_live_tau(tau):
+    """What the Ray test below relies on: alone a request speculates, and the spec pool spills before
+    7 requests are in flight on it, at every tau a 2x3 tree can measure."""
+    costs = StepCosts.from_calibration(CALIBRATION)
+    assert choose_pool(costs, (2, 3), tau, 0, 1, 0, 1)[0] == "spec"
+    assert choose_pool(costs, (2, 3), tau, 6, 1, 0, 1)[0] == "plain"
 
 
 def test_low_load_speculates_and_a_burst_spills_to_the_plain_pool(pools_url):

@@ -6,6 +6,7 @@ independence that keeps speculative output equal to plain output, and both instr
 from __future__ import annotations
 
 import pytest
+from compute_paths import require_both_builds
 import torch
 import torch.nn.functional as F
 
@@ -101,8 +102,7 @@ def test_row_without_visible_keys_is_zero(isa):
 
 
 def test_both_builds_compute_the_same_bits():
-    if build.supported_isas() != ["avx512", "avx2"] or not build.available():
-        pytest.skip("needs a CPU that runs both builds")
+    require_both_builds()
     q, kc, vc, slots, mask = random_case(2, 7, 333, 9, 3, 64)
     outs = [attend(plan(isa, AttentionGroup(0, 2, 7, slots, mask), kc.shape[0]), q, kc, vc)
             for isa in ("avx512", "avx2")]

@@ -112,16 +112,22 @@ def test_fused_decoder_equals_layer_by_layer(tiny_model_dirs, trained_drafter_di
     assert len(check.fused_calls) >= check.forwards // 2
 
 
-def test_layer_table_is_kept_and_rebuilt_when_layers_change(tiny_model_dirs, monkeypatch):
+@pytest.mark.parametrize("prefill_dtype", ["float32", "bfloat16"])
+def test_layer_table_is_kept_and_rebuilt_when_layers_change(tiny_model_dirs, monkeypatch, prefill_dtype):
     """The C layer table is built once and kept; switching the linears to int8 activations (new
-    entry points) rebuilds it, so the C call never runs stale kernels."""
+    entry points) rebuilds it, so the C call never runs stale kernels. On each prompt-row path
+    (``engine.prefill_dtype``; ``auto`` is bfloat16 where the CPU has AMX tiles, so both are forced
+    here): with float32 prompt rows every step, the prompt's included, runs on the table; with
+    bfloat16 prompt rows the prompt step takes the Python path (no table: oneDNN's GEMM is not in
+    the C call) and every decode step runs on the one kept table."""
     if not build.available():
         pytest.skip("CPU kernels unavailable here (no C compiler or no AVX2, or RDSERVE_CPU_KERNELS=0)")
     from workers.kernels.decoder import LINEAR_KINDS, fused_layers
     from workers.models.gguf_weights import use_int8_activations
 
     engine = Engine(str(tiny_model_dirs["tied_gqa2@gguf"]), None, max_seq_len=128, num_kv_blocks=64,
-                    decode_activations="float32")
+                    decode_activations="float32", prefill_dtype=prefill_dtype)
+    assert engine.prefill_dtype == prefill_dtype
     qkv = engine.model.model.layers[0].self_attn.qkv_proj
     tables = []
     monkeypatch.setattr(llama, "fused_layers", lambda *a: tables.append(fused_layers(*a)) or tables[-1])
@@ -130,15 +136,23 @@ def test_layer_table_is_kept_and_rebuilt_when_layers_change(tiny_model_dirs, mon
         return [t for d in engine.generate(list(range(5, 25)), SamplingParams(max_tokens=6, ignore_eos=True), "plain", rid)
                 for t in d.token_ids]
 
+    def decode_tables():
+        """The tables of one request's steps: the prompt step's first, then the decode steps'."""
+        assert len(tables) >= 6
+        prompt, steps = tables[0], tables[1:]
+        assert steps[0] is not None and all(t is steps[0] for t in steps)
+        assert (prompt is steps[0]) if prefill_dtype == "float32" else (prompt is None)
+        return steps[0]
+
     assert decode("a")
-    assert len(tables) >= 5 and all(t is tables[0] for t in tables)
+    table = decode_tables()
     float32_kinds = {LINEAR_KINDS["rd_linear_q4_1"], LINEAR_KINDS["rd_linear_q8_0"]}
-    assert tables[0][0].qkv.kind == LINEAR_KINDS[qkv._entry] and tables[0][0].qkv.kind in float32_kinds
+    assert table[0].qkv.kind == LINEAR_KINDS[qkv._entry] and table[0].qkv.kind in float32_kinds
     use_int8_activations(engine.model)
     tables.clear()
     assert decode("b")
-    assert tables[0] is not None and all(t is tables[0] for t in tables)
-    assert tables[0][0].qkv.kind == LINEAR_KINDS[qkv._entry] and tables[0][0].qkv.kind not in float32_kinds
+    table = decode_tables()
+    assert table[0].qkv.kind == LINEAR_KINDS[qkv._entry] and table[0].qkv.kind not in float32_kinds
 
 
 def test_replaced_weights_and_copies_after_a_fused_step(tiny_model_dirs, trained_drafter_dirs, monkeypatch):

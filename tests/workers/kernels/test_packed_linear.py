@@ -4,6 +4,7 @@ and how it falls back. Value tests run on each instruction-set build (``isa`` fi
 from __future__ import annotations
 
 import pytest
+from compute_paths import require_both_builds
 import torch
 import torch.nn.functional as F
 
@@ -48,8 +49,7 @@ def test_each_row_is_independent_of_the_others(n, isa):
 @needs_kernel
 def test_both_builds_compute_the_same_bits(monkeypatch):
     """The AVX2 and AVX-512 builds sum each element in the same order: identical results."""
-    if build.supported_isas() != ["avx512", "avx2"]:
-        pytest.skip("needs a CPU that runs both builds")
+    require_both_builds()
     lin = torch.nn.Linear(1536, 3 * 32 * 7 + 5, bias=True)
     x = torch.randn(23, 1536)
     outs = []

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from compute_paths import require_both_builds
 import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType
@@ -66,8 +67,7 @@ def test_each_row_is_independent_of_the_others(fmt, isa):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_both_builds_compute_the_same_bits(fmt, monkeypatch):
-    if build.supported_isas() != ["avx512", "avx2"]:
-        pytest.skip("needs a CPU that runs both builds")
+    require_both_builds()
     blocks, _ = gguf_blocks(fmt, 200, 1536)
     x = torch.randn(19, 1536)
     outs = []
