@@ -263,11 +263,17 @@ def test_greedy_spec_matches_plain_on_default_model(tmp_path, weights):
         assert plain.completion_tokens >= 5
 
 
-def test_greedy_spec_matches_plain_on_int8_activations(tiny_model_dirs, trained_drafter_dirs):
-    """Decode rows and tree rows on the int8-activation kernel (llama.cpp's Q8_1 activations; the
-    AVX512-VNNI kernel where the CPU has it, else the AVX2 one, the same bits): each row still depends on itself alone, so spec output equals plain output; 16
-    random cases, with and without a prompt-lookup beam. The output differs from the float32
-    kernel's somewhere, so the setting was really in effect."""
+def test_greedy_spec_matches_plain_on_int8_activations(tiny_model_dirs, trained_drafter_dirs, isa):
+    """Decode rows and tree rows on the int8-activation kernel (llama.cpp's Q8_1 activations), on
+    every kernel build this CPU runs (``RDSERVE_CPU_ISA``): the AVX-512 build takes the AVX512-VNNI
+    kernel where the CPU has it, the AVX2 build the AVX2 kernel (so an AVX-512 machine runs the AVX2
+    path end to end too), and the engine names the path that runs. Each row still depends on itself
+    alone, so spec output equals plain output; 16 random cases, with and without a prompt-lookup
+    beam. The output differs from the float32 kernel's somewhere, so the setting was really in effect."""
+    from workers.kernels import build
+    from workers.kernels.quant_linear import INT8_CPU_FLAGS, QuantLinear
+
+    int8_kernel = "vnni" if isa == "avx512" and not build.missing_cpu_flags(INT8_CPU_FLAGS) else "avx2"
     multi, differs = 0, 0
     for case in range(16):
         rng = random.Random(2000 + case)
@@ -276,7 +282,9 @@ def test_greedy_spec_matches_plain_on_int8_activations(tiny_model_dirs, trained_
                      prompt_lookup_num_tokens=rng.choice([0, 4]), prompt_lookup_min=1, max_seq_len=256)
         engine = Engine(str(tiny_model_dirs[variant]), str(trained_drafter_dirs[variant]),
                         decode_activations="int8", **shape)
-        assert engine.decode_activations == "int8"
+        assert engine.decode_activations == "int8" and engine.kernel == f"gguf-{isa}-int8"
+        linears = [m for m in [*engine.model.modules(), *engine.drafter.modules()] if isinstance(m, QuantLinear)]
+        assert {(m.isa, m.int8_kernel) for m in linears} == {(isa, int8_kernel)}
         prompt = random_prompt(rng, len(engine.tokenizer))
         params = SamplingParams(max_tokens=rng.randint(8, 48))
         plain = run(engine, prompt, params, "plain")

@@ -31,9 +31,18 @@ INT8_KERNELS = ("vnni", "avx2")
 
 
 def best_int8_kernel() -> str:
-    """The int8-activation kernel this CPU runs fastest: ``"vnni"`` (AVX512-VNNI) where the CPU has
-    :data:`INT8_CPU_FLAGS`, else ``"avx2"`` (``int8_avx2.c``; same results bit for bit on finite activations)."""
-    return "avx2" if build.missing_cpu_flags(INT8_CPU_FLAGS) else "vnni"
+    """The int8-activation kernel of the compute path in use: ``"vnni"`` (AVX512-VNNI) where the CPU
+    has :data:`INT8_CPU_FLAGS` and the AVX-512 build is in use, else ``"avx2"`` (``int8_avx2.c``; same
+    results bit for bit on finite activations). Forcing ``RDSERVE_CPU_ISA=avx2`` therefore runs no
+    AVX-512 instruction at all: the int8 kernel follows the build, so the path a replica names
+    (``gguf-avx2-int8``) is the one that runs.
+
+    Raises:
+        KernelUnavailable: see :func:`~workers.kernels.build.active_isa`.
+    """
+    if build.missing_cpu_flags(INT8_CPU_FLAGS) or build.active_isa() != "avx512":
+        return "avx2"
+    return "vnni"
 
 
 class QuantLinear(torch.nn.Module):
