@@ -8,8 +8,10 @@ stay out of YAML files in git (``{env: RDSERVE_API_KEYS}``: comma- or whitespace
 Only SHA-256 digests of the keys are kept; a presented key is hashed and compared with every digest
 by ``hmac.compare_digest`` (constant time, and the same work whichever key matches or none).
 Keys are ``SecretStr`` in the config, so they print as ``**********``; no error, log line or metric
-label ever carries a presented or configured key. ``/health`` (and anything outside ``/v1``) stays
-open, for load balancers and Kubernetes probes.
+label ever carries a presented or configured key. That masked form (any key made only of ``*``) is refused
+wherever keys are read, so a config dumped with it (``serve deploy`` of a printed config) cannot turn it
+into the key. ``/health`` (and anything outside ``/v1``) stays open, for load balancers and Kubernetes
+probes.
 """
 
 from __future__ import annotations
@@ -28,6 +30,19 @@ from cluster.protocol import error_body
 
 KEY_PATTERN = r"^[!-~]{8,512}$"
 """A key: 8 to 512 printable ASCII characters without spaces (what fits an HTTP header token)."""
+
+
+def is_masked(key: str) -> bool:
+    """True for a key made only of ``*``: the form a ``SecretStr`` prints (``**********``), never a key."""
+    return set(key) <= {"*"}
+
+
+def _refuse_masked(keys: list[str], where: str) -> None:
+    """Raises ValueError naming ``where`` and the key's position when one of ``keys`` is masked."""
+    for n, key in enumerate(keys, start=1):
+        if is_masked(key):
+            raise ValueError(f"key {n} of {where} is only '*' characters, the masked form a config prints for a key, "
+                             "not a key; give the real keys, or read them with {env: RDSERVE_API_KEYS} or {file: PATH}")
 
 
 class ApiKeySource(BaseModel):
@@ -57,7 +72,8 @@ def parse_api_keys(value, info: ValidationInfo):
     """``serve.api_keys`` before validation: null, a list of keys, or ``{env: VAR}`` / ``{file: PATH}``.
 
     Raises:
-        ValueError: anything else, or an empty list (one message, not one per union member).
+        ValueError: anything else, an empty list (one message, not one per union member), or a listed key
+            made only of ``*`` (the masked form, see :func:`is_masked`).
     """
     if value is None or isinstance(value, ApiKeySource):
         return value
@@ -72,6 +88,7 @@ def parse_api_keys(value, info: ValidationInfo):
             raise ValueError("an empty list; use null to turn API keys off")
         if not all(isinstance(k, (str, SecretStr)) for k in value):
             raise ValueError("every key must be a string")
+        _refuse_masked([k.get_secret_value() if isinstance(k, SecretStr) else k for k in value], "the list")
         return [k if isinstance(k, SecretStr) else SecretStr(k) for k in value]
     raise ValueError("must be a list of keys, {env: VAR} or {file: PATH}")
 
@@ -80,9 +97,9 @@ def resolve_keys(setting: list[SecretStr] | ApiKeySource | None, environ: dict |
     """The configured keys as plain strings; None when API keys are off.
 
     Raises:
-        ValueError: the variable is unset or the file unreadable, no key found, or a key that is not
-            8-512 printable characters without spaces. The message names where the keys came from,
-            never a key.
+        ValueError: the variable is unset or the file unreadable, no key found, a key that is not
+            8-512 printable characters without spaces, or one made only of ``*`` (the masked form).
+            The message names where the keys came from, never a key.
     """
     if setting is None:
         return None
@@ -107,6 +124,7 @@ def resolve_keys(setting: list[SecretStr] | ApiKeySource | None, environ: dict |
     for n, key in enumerate(keys, start=1):
         if not re.fullmatch(KEY_PATTERN, key):
             raise ValueError(f"key {n} of {where} must be 8-512 printable characters without spaces")
+    _refuse_masked(keys, where)
     return keys
 
 
@@ -117,7 +135,12 @@ class ApiKeys:
         self.set(keys)
 
     def set(self, keys: list[str] | None) -> None:
-        """Accept exactly ``keys`` from now on (None or empty: API keys off)."""
+        """Accept exactly ``keys`` from now on (None or empty: API keys off).
+
+        Raises:
+            ValueError: a key made only of ``*`` (the masked form, see :func:`is_masked`).
+        """
+        _refuse_masked(keys or [], "the keys given")
         self._digests = [hashlib.sha256(k.encode()).digest() for k in keys or []]
 
     @property

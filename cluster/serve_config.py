@@ -19,6 +19,7 @@ from pathlib import Path
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
+from cluster.auth import ApiKeySource
 from cluster.config import ConfigError, RdserveConfig, check_startable, format_validation_error, load_config, parse_config
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
@@ -80,7 +81,17 @@ def _portable(value, plain):
 def portable_config(cfg: RdserveConfig) -> dict:
     """``cfg`` as JSON-ready data: the fields the YAML (or code) set, the others left to their defaults,
     paths within the project relative to its root. ``parse_config(portable_config(cfg), PROJECT_ROOT)``
-    gives ``cfg`` back."""
+    gives ``cfg`` back.
+
+    Raises:
+        ConfigError: ``serve.api_keys`` lists keys: dumped, each would be its masked form, not the key
+            (as ``rdserve k8s render``, keys must come from ``{env: VAR}`` or ``{file: PATH}``).
+    """
+    keys = cfg.serve.api_keys
+    if keys is not None and not isinstance(keys, ApiKeySource):
+        raise ConfigError("serve.api_keys: keys written in the config cannot go into a Serve config (it would "
+                          "carry them masked, not the keys); use {env: RDSERVE_API_KEYS} or {file: PATH}, read "
+                          "where the ingress runs")
     return _portable(cfg.model_dump(mode="python", exclude_unset=True), cfg.model_dump(mode="json", exclude_unset=True))
 
 
@@ -102,6 +113,9 @@ def serve_config(cfg: RdserveConfig, host: str | None = None, port: int | None =
     ``host``/``port``: Serve's HTTP address (default ``serve.host``/``serve.port``; in a pod
     ``0.0.0.0``). ``runtime_env.env_vars`` is ``cluster.app.SERVE_ENV``, which the Ray processes
     themselves should also have (``rdserve up`` and the Kubernetes manifests set it for them).
+
+    Raises:
+        ConfigError: keys written in the config (see :func:`portable_config`).
     """
     from cluster.app import APP_NAME, SERVE_ENV
 

@@ -68,3 +68,20 @@ def test_middleware_guards_v1_and_leaves_health_open():
     assert "wrong-key-123" not in denied.text
     assert client.get("/v1/models", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
     assert client.get("/health").status_code == 200
+
+
+@pytest.mark.parametrize("masked", ["**********", "********", "*" * 40])
+def test_the_masked_form_of_a_key_is_never_a_key(tmp_path, masked):
+    """A config printed or dumped shows each key as '**********'; read back, that must fail, not become the key."""
+    with pytest.raises(ConfigError, match=r"serve.api_keys: .*key 2 of the list is only '\*' characters"):
+        parse_config({"serve": {"api_keys": [KEY, masked]}}, tmp_path)  # a YAML holding it fails at load
+    env = parse_config({"serve": {"api_keys": {"env": "RDSERVE_KEYS"}}}, tmp_path).serve.api_keys
+    with pytest.raises(ValueError, match=r"key 1 of environment variable RDSERVE_KEYS is only '\*' characters"):
+        resolve_keys(env, {"RDSERVE_KEYS": masked})
+    (tmp_path / "keys.txt").write_text(f"{KEY}\n{masked}\n")
+    filed = parse_config({"serve": {"api_keys": {"file": "keys.txt"}}}, tmp_path)
+    with pytest.raises(ConfigError, match=r"serve.api_keys: key 2 of file .*keys.txt is only '\*' characters"):
+        check_startable(filed)
+    with pytest.raises(ValueError, match=r"only '\*' characters"):
+        ApiKeys([KEY, masked])
+    assert ApiKeys(["sk-*-*-*-*"]).accepts("Bearer sk-*-*-*-*")  # a '*' within a key is fine

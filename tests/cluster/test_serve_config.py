@@ -3,6 +3,7 @@
 from pathlib import Path
 
 import pytest
+import yaml
 from ray.serve import Application
 
 from cluster.app import app_builder, build_app
@@ -68,3 +69,29 @@ def test_deployments_section_is_what_the_code_binds():
     (engine,) = [d for d in deployment_options(separate) if d["name"] == "EngineReplica"]
     assert engine["num_replicas"] == fixed.serve.replicas and "autoscaling_config" not in engine
     assert len(build_app(separate)._bound_deployment.init_args) == 2  # ingress(engine handle, model name)
+
+
+def test_keys_written_in_the_config_are_refused_not_masked(tmp_path):
+    """Dumped, a SecretStr key becomes '**********': a Serve config carrying that would accept it as the key."""
+    from typer.testing import CliRunner
+
+    from cluster.cli import app
+
+    listed = tmp_path / "listed.yaml"
+    listed.write_text("serve: {api_keys: [sk-first-0123456789, sk-second-0123456789]}\n")
+    out = tmp_path / "serve.yaml"
+    result = CliRunner().invoke(app, ["serve-config", "--config", str(listed), "--out", str(out)])
+    assert result.exit_code == 2 and not out.exists()
+    (line,) = result.output.strip().splitlines()
+    assert "serve.api_keys:" in line and "{env: RDSERVE_API_KEYS}" in line and "{file: PATH}" in line
+    assert "sk-first" not in result.output and "****" not in result.output
+    with pytest.raises(ConfigError, match="serve.api_keys"):
+        serve_config(load_config(listed))
+    with pytest.raises(ConfigError, match=r"args.config: serve.api_keys: .*only '\*' characters"):
+        app_builder({"config": {"serve": {"api_keys": ["**********"]}}})  # a file written before this check
+    by_env = tmp_path / "by_env.yaml"
+    by_env.write_text("serve: {api_keys: {env: RDSERVE_API_KEYS}}\n")
+    result = CliRunner().invoke(app, ["serve-config", "--config", str(by_env), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    (application,) = yaml.safe_load(out.read_text())["applications"]
+    assert application["args"]["config"]["serve"]["api_keys"] == {"env": "RDSERVE_API_KEYS"}
