@@ -21,6 +21,7 @@
 #include <stdlib.h>
 
 #include "simd.h"
+#include "work_split.h"
 
 /* Scratch per thread: scores [T][Lp] (Lp = L rounded up to 16). */
 typedef struct {
@@ -135,6 +136,7 @@ int rd_decode_attention(const float *q, long q_stride, const float *kc, const fl
                         long D, float scale) {
     args_t a = {q, kc, vc, slots, mask, out, q_stride, run_start, T, L, (L + 15) / 16 * 16, H, HKV, D, scale};
     int failed = 0;
+    const long chunk = rd_chunk(B * H);
 #pragma omp parallel if (B * H > 1)
     {
         float *s = malloc(sizeof(float) * (size_t)(T * a.Lp));
@@ -142,7 +144,7 @@ int rd_decode_attention(const float *q, long q_stride, const float *kc, const fl
 #pragma omp atomic write
             failed = 1;
         }
-#pragma omp for collapse(2) schedule(static)
+#pragma omp for collapse(2) schedule(dynamic, chunk)
         for (long b = 0; b < B; b++)
             for (long h = 0; h < H; h++)
                 if (s) head(&a, b, h, s);

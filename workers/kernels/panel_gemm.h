@@ -22,6 +22,7 @@
 #include <string.h>
 
 #include "simd.h"
+#include "work_split.h"
 
 #define PANEL 32
 #define KBLOCK 32
@@ -193,7 +194,8 @@ quant_linear(const int fmt, const row_kernel *kernels, int rows, size_t block_by
              const void *w, const float *bias, float *y, long M, long K, long N) {
     long panels = (N + PANEL - 1) / PANEL;
     size_t panel_bytes = (size_t)(K / KBLOCK) * block_bytes;
-#pragma omp parallel for schedule(static)
+    const long chunk = rd_chunk(panels);
+#pragma omp parallel for schedule(dynamic, chunk)
     for (long p = 0; p < panels; p++) {
         long n0 = p * PANEL;
         long nvalid = N - n0 < PANEL ? N - n0 : PANEL;
@@ -220,7 +222,8 @@ quant_linear(const int fmt, const row_kernel *kernels, int rows, size_t block_by
 static inline void panels_times_rows(const row_kernel *kernels, int rows, const float *x, const void *w,
                                      size_t panel_bytes, const float *bias, float *y, long M, long K, long N) {
     long panels = (N + PANEL - 1) / PANEL;
-#pragma omp parallel for schedule(static)
+    const long chunk = rd_chunk(panels);
+#pragma omp parallel for schedule(dynamic, chunk)
     for (long p = 0; p < panels; p++) {
         long n0 = p * PANEL;
         long nvalid = N - n0 < PANEL ? N - n0 : PANEL;

@@ -39,7 +39,8 @@ def _drafter(head_type: str, kernels: str, layers: int = 2, seed: int = 0) -> tu
 
 @pytest.mark.parametrize("head_type", ["shared", "full"])
 @pytest.mark.parametrize("kernels", ["float32", "q8_0", "int8"])
-def test_fused_draft_proposes_what_the_python_search_proposes(head_type, kernels):
+def test_fused_draft_proposes_what_the_python_search_proposes(head_type, kernels, isa):
+    """On every kernel build this CPU runs (``isa``: the int8 layers take the build's int8 kernel)."""
     d, embed = _drafter(head_type, kernels)
     gen = torch.Generator().manual_seed(1)
     for B, beams, depth in [(1, 1, 1), (1, 2, 2), (3, 2, 2), (2, 4, 3), (1, 3, 5), (4, 1, 4)]:
