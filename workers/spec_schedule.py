@@ -102,6 +102,18 @@ def largest_speculating_batch(table: SpecSchedule) -> int:
     return 0 if table == "off" else max((r.max_batch_size for r in table if r.shape), default=0)
 
 
+def schedule_text(table: "SpecSchedule | str | None") -> str:
+    """A speculation schedule in one line: ``auto`` (the goodput model), ``off``, ``fixed shape`` (None:
+    the configured shape at every batch size) or the table's rows, e.g. ``1x2<=2, off<=4, off above``."""
+    if table is None:
+        return "fixed shape"
+    if isinstance(table, str):
+        return table
+    rows = [f"{r.num_beams}x{r.draft_len_per_beam}<={r.max_batch_size}" if r.shape else f"off<={r.max_batch_size}"
+            for r in table]
+    return ", ".join(rows) + ", off above"
+
+
 def choose_shape(table: SpecSchedule, num_generation_requests: int) -> Shape | None:
     """``(num_beams, draft_len_per_beam)`` for a batch of ``num_generation_requests``, or None (off).
 

@@ -13,6 +13,7 @@ import platform
 import httpx
 
 from cluster.config import RdserveConfig, check_startable
+from workers.spec_schedule import schedule_text
 
 PACKAGES = ("torch", "transformers", "ray", "rdserve")
 
@@ -27,10 +28,8 @@ def engine_features(cfg: RdserveConfig) -> dict[str, str]:
                               f"iteration, prefill chunks of {eng.max_prefill_chunk or eng.max_num_tokens}",
         "paged_kv_cache": f"yes: blocks of {eng.tokens_per_block} tokens, {kv}",
         "empty_sub_batch": "yes: iterations with only context or only generation requests",
-        "speculation_schedule": "fixed shape at every batch size" if eng.spec_schedule is None
-        else str(eng.spec_schedule if eng.spec_schedule == "off" else [r.model_dump() for r in eng.spec_schedule]),
-        **({"speculation_schedule_by_kernel": "; ".join(
-            f"{k}: {v if v == 'off' else [r.model_dump() for r in v]}" for k, v in eng.spec_schedule_by_kernel.items())
+        "speculation_schedule": schedule_text(eng.spec_schedule),
+        **({"speculation_schedule_by_kernel": "; ".join(f"{k}: {schedule_text(v)}" for k, v in eng.spec_schedule_by_kernel.items())
             + " (a replica on one of these kernels takes that table, and router.spec_max_load follows it; "
               "the server's /health names its kernel)"} if eng.spec_schedule_by_kernel else {}),
         "tensor_parallel": f"tp_size {eng.tp_size} over MPI" if eng.tp_size > 1 else "tp_size 1",
