@@ -9,7 +9,8 @@ engine pool, one engine replica per pod (the pod's Ray node advertises one repli
 sets the replica count and the in-tree autoscaler adds or removes pods for pending/idle replicas.
 The OpenAI endpoint is ``spec.serveService``: KubeRay keeps that Service pointed at the healthy
 proxies of the active cluster, also across a zero-downtime upgrade (a standalone Service could
-not follow the cluster's generated name).
+not follow the cluster's generated name). How pods and an upgraded cluster stop without cutting
+streams (grace period, drain on SIGTERM, preStop, deletion delay): :mod:`cluster.k8s.shutdown`.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import ray
 from cluster.config import RdserveConfig
 from cluster.k8s.pods import (CLIENT_PORT, DASHBOARD_PORT, GCS_PORT, IMAGE_PROJECT_DIR, container_env,
                               engine_pools, gpus_per_pod, metrics_port, pod_config, ray_cpus, volumes)
+from cluster.k8s.shutdown import PodShutdown, pod_shutdown
 from cluster.serve_config import serve_config, to_yaml
 
 GPU_RESOURCE = "nvidia.com/gpu"
@@ -29,15 +31,15 @@ def _labels(name: str) -> dict:
 
 
 def _container(role: str, image: str, cpus: int, memory: str, gpus: int, ports: list[dict], env: list[dict],
-               mounts: list[dict]) -> dict:
+               mounts: list[dict], shutdown: PodShutdown) -> dict:
     quantities = {"cpu": str(cpus), "memory": memory, **({GPU_RESOURCE: str(gpus)} if gpus else {})}
     return {"name": f"ray-{role}", "image": image, "workingDir": str(IMAGE_PROJECT_DIR),
             "resources": {"requests": dict(quantities), "limits": dict(quantities)},
-            "ports": ports, "env": env, "volumeMounts": mounts}
+            "ports": ports, "env": env + shutdown.env(), "volumeMounts": mounts, "lifecycle": shutdown.lifecycle()}
 
 
-def _pod_template(name: str, container: dict, vols: list[dict], gpus: int) -> dict:
-    spec = {"containers": [container], "volumes": vols}
+def _pod_template(name: str, container: dict, vols: list[dict], gpus: int, shutdown: PodShutdown) -> dict:
+    spec = {"terminationGracePeriodSeconds": shutdown.grace_s, "containers": [container], "volumes": vols}
     if gpus:  # GPU nodes are commonly tainted so that only GPU pods land there
         spec["tolerations"] = [{"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}]
     return {"metadata": {"labels": _labels(name)}, "spec": spec}
@@ -51,6 +53,8 @@ def rayservice(cfg: RdserveConfig, image: str, namespace: str) -> dict:
     """
     k8s, name = cfg.kubernetes, cfg.kubernetes.name
     pod_cfg = pod_config(cfg)
+    serve = serve_config(pod_cfg, host="0.0.0.0", port=cfg.serve.port)
+    shutdown = pod_shutdown(pod_cfg, serve["applications"][0]["deployments"])
     secret = f"{name}-api-keys"
     env, (vols, mounts) = container_env(cfg, secret), volumes(cfg, secret)
     metrics = {"containerPort": metrics_port(cfg), "name": "metrics"}
@@ -62,7 +66,7 @@ def rayservice(cfg: RdserveConfig, image: str, namespace: str) -> dict:
         "rayStartParams": {"num-cpus": "0", "dashboard-host": "0.0.0.0",
                            "metrics-export-port": str(metrics_port(cfg))},
         "template": _pod_template(name, _container("head", image, k8s.head_cpus, k8s.head_memory, 0, head_ports,
-                                                   env, mounts), vols, 0),
+                                                   env, mounts, shutdown), vols, 0, shutdown),
     }
     gpus = gpus_per_pod(cfg)
     groups = []
@@ -72,10 +76,11 @@ def rayservice(cfg: RdserveConfig, image: str, namespace: str) -> dict:
             params["num-gpus"] = str(gpus)
         # KubeRay's readiness probe of a RayService worker asks the Serve proxy at the port named "serve"
         ports = [{"containerPort": cfg.serve.port, "name": "serve"}, dict(metrics)]
-        container = _container("worker", image, k8s.worker_cpus, k8s.worker_memory, gpus, ports, env, mounts)
+        container = _container("worker", image, k8s.worker_cpus, k8s.worker_memory, gpus, ports, env, mounts,
+                               shutdown)
         groups.append({"groupName": pool.group, "replicas": pool.min_replicas, "minReplicas": pool.min_replicas,
                        "maxReplicas": pool.max_replicas, "rayStartParams": params,
-                       "template": _pod_template(name, container, vols, gpus)})
+                       "template": _pod_template(name, container, vols, gpus, shutdown)})
     cluster = {"rayVersion": ray.__version__, "headGroupSpec": head, "workerGroupSpecs": groups}
     if any(pool.autoscaling for pool in engine_pools(cfg)):
         cluster["enableInTreeAutoscaling"] = True
@@ -86,8 +91,8 @@ def rayservice(cfg: RdserveConfig, image: str, namespace: str) -> dict:
     return {
         "apiVersion": "ray.io/v1", "kind": "RayService",
         "metadata": {"name": name, "namespace": namespace, "labels": _labels(name)},
-        "spec": {"serveConfigV2": to_yaml(serve_config(pod_cfg, host="0.0.0.0", port=cfg.serve.port)),
-                 "serveService": openai, "rayClusterConfig": cluster},
+        "spec": {"serveConfigV2": to_yaml(serve), "serveService": openai, **shutdown.upgrade(),
+                 "rayClusterConfig": cluster},
     }
 
 
