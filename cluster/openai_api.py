@@ -43,7 +43,7 @@ from cluster.disconnect import QuietDisconnect, info_now
 from cluster.drain import Admission
 from cluster.engine_client import HandleClient, InProcessClient, ResponseStream
 from cluster.goodput import StepCosts
-from cluster.observability.http import add_metrics_routes
+from cluster.observability.http import add_metrics_routes, failure_counter
 from cluster.limits import RETRY_AFTER_MIN_S, Interrupted, RequestGuard
 from cluster.pools import PoolLoad, TrackedStream
 from cluster.replica import EngineRequest, Failed, Started
@@ -163,6 +163,7 @@ class OpenAIIngress:
         self.engines = {name: e if isinstance(e, InProcessClient) else HandleClient(e) for name, e in engines.items()}
         self.engine = next(iter(self.engines.values()))  # health's engine stats (the spec pool's with pools)
         self.model_name = model_name
+        failure_counter(model_name)  # request_failure's series exist (at zero) before the first failure
         self.created = int(time.time())
         self.app_name = serve.get_replica_context().app_name
         self.pools = {name: e.deployment_name for name, e in self.engines.items()}  # for the replica counts

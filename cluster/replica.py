@@ -107,7 +107,9 @@ class EngineReplica:
         self.load = 0
         self.ttft = TtftWindow()
         self.replica_id = serve_replica_id()
-        self.metrics = ReplicaMetrics(self.async_engine, cfg.model.name) if cfg.observability.enabled else None
+        self.metrics = ReplicaMetrics(self.async_engine, cfg.model.name,
+                                      cfg.engine.draft_len_per_beam if cfg.drafter.path else 0) \
+            if cfg.observability.enabled else None
         log.info("%s", self.engine.kv_size)
         log.info("engine ready: model %s, drafter %s, kernel %s, speculation schedule %s, spec_max_load %d",
                  cfg.model.path or "default", cfg.drafter.path, self.engine.kernel, _schedule_text(self.engine),

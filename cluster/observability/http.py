@@ -19,10 +19,22 @@ from ray import serve
 from ray.serve.exceptions import RayServeException
 
 from cluster.observability.metrics import BY_NAME
-from cluster.observability.recorder import make_metric
+from cluster.observability.recorder import make_metric, start_at_zero
 
 log = logging.getLogger("ray.serve")
 PROXY_TIMEOUT_S = 5.0
+_failure_counters: dict[str, object] = {}  # model name -> this ingress replica's request_failure counter
+
+
+def failure_counter(model_name: str):
+    """This process's ``request_failure`` counter for ``model_name``, created on first use with every
+    known status at zero (:func:`~cluster.observability.recorder.start_at_zero`). The ingress calls it
+    when it starts, so the series exist before the first failure."""
+    if model_name not in _failure_counters:
+        spec = BY_NAME["request_failure"]
+        _failure_counters[model_name] = counter = make_metric(spec, model_name)
+        start_at_zero(counter, spec)
+    return _failure_counters[model_name]
 
 
 def metrics_agent_url() -> str:
@@ -53,7 +65,7 @@ class FailureCounter:
             except RayServeException:  # not in a Serve replica (an app under test): nothing to record into
                 self.counter = False
                 return
-            self.counter = make_metric(BY_NAME["request_failure"], ctx.servable_object.model_name)
+            self.counter = failure_counter(ctx.servable_object.model_name)
         if self.counter:
             self.counter.inc(tags={"status": str(status)})
 

@@ -114,6 +114,30 @@ ROUTER_REASONS = {  # choose_mode's reason text (prefix) -> the reason label
 }
 
 
+LABEL_VALUES: dict[str, tuple[str, ...]] = {
+    "finished_reason": ("stop", "length", "abort"),
+    "status": ("400", "401", "404", "413", "500", "503", "504"),  # what rdserve answers; others appear when used
+    "mode": ("spec", "plain"),
+    "reason": (*ROUTER_REASONS.values(), "other"),
+}
+"""The known values of the counters' labels. A counter has no series until it is recorded (a rare event's
+panel would say "No data", a rate over it would be empty), so a replica records each combination at zero
+when it starts (:func:`cluster.observability.recorder.start_at_zero`). ``position`` is 0 to the
+replica's draft_len_per_beam - 1 (:func:`known_label_values`). Histograms are not: a zero observation
+would count; their series appear with the first request."""
+
+
+def known_label_values(spec: MetricDef, draft_len: int) -> dict[str, tuple[str, ...]]:
+    """``{label: values}`` a replica starts ``spec`` with; ``draft_len``: the replica's draft_len_per_beam
+    (0 without a drafter: no ``position`` series until one is reached).
+
+    Raises:
+        KeyError: a label of ``spec`` with no known values (a histogram's ``kind``).
+    """
+    return {label: tuple(map(str, range(draft_len))) if label == "position" else LABEL_VALUES[label]
+            for label in spec.labels}
+
+
 def reason_label(reason: str) -> str:
     """A bounded label for :func:`cluster.router.choose_mode`'s free-text reason (its numbers would
     make a series per value); ``other`` for text this table does not know."""

@@ -10,12 +10,13 @@ the items the replica streams. Definitions: :mod:`cluster.observability.metrics`
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 
 from ray.serve import metrics as serve_metrics
 
-from cluster.observability.metrics import METRICS, PREFIX, MetricDef, reason_label
+from cluster.observability.metrics import METRICS, PREFIX, MetricDef, known_label_values, reason_label
 from workers.engine import GenerationDelta
 from workers.engine_metrics import EngineStats, EngineStatsDelta
 
@@ -35,15 +36,38 @@ def make_metric(spec: MetricDef, model_name: str):
     return metric
 
 
+def start_at_zero(metric, spec: MetricDef, draft_len: int = 0) -> None:
+    """Record the counter ``spec`` at zero for every combination of its known label values
+    (:func:`~cluster.observability.metrics.known_label_values`), so its series exist from the replica's
+    start: a panel over a rare event (preemptions, failures) shows 0 instead of "No data".
+
+    Ray's ``Counter.inc`` refuses 0; ``_record`` is what it calls after that check.
+
+    Raises:
+        KeyError: a label of ``spec`` with no known values.
+    """
+    values = known_label_values(spec, draft_len)
+    for combo in itertools.product(*values.values()):
+        metric._record(0.0, tags=dict(zip(values, combo)))
+
+
 class ReplicaMetrics:
     """Records one engine replica's metrics. ``async_engine``: the replica's ``AsyncEngine``.
     ``queued``: how many requests wait for the engine outside it (the in-process client's queue when
-    the engine runs in the ingress, ``cluster.engine_client``); counted in ``num_requests_waiting``."""
+    the engine runs in the ingress, ``cluster.engine_client``); counted in ``num_requests_waiting``.
+    ``draft_len``: the replica's draft_len_per_beam (0 without a drafter), the ``position`` values its
+    counters start with. Every counter is recorded at zero here and every gauge set to 0, so their
+    series exist before the first request."""
 
-    def __init__(self, async_engine, model_name: str):
+    def __init__(self, async_engine, model_name: str, draft_len: int = 0):
         self.async_engine = async_engine
         self.queued = lambda: 0
         self.m = {s.name: make_metric(s, model_name) for s in METRICS if s.where != "ingress"}
+        for spec in METRICS:
+            if spec.name in self.m and spec.kind == "counter":
+                start_at_zero(self.m[spec.name], spec, draft_len)
+            elif spec.name in self.m and spec.kind == "gauge":
+                self.m[spec.name].set(0)
         async_engine.engine.stats = EngineStats()
         self._poller: asyncio.Task | None = None
 

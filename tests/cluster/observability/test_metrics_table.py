@@ -9,7 +9,8 @@ from typer.testing import CliRunner
 from cluster.cli import app
 from cluster.config import RouterConfig
 from cluster.observability.dashboard import build_dashboard, panels
-from cluster.observability.metrics import METRICS, exported, reason_label
+from cluster.observability.metrics import LABEL_VALUES, METRICS, ROUTER_REASONS, exported, reason_label
+from cluster.observability.recorder import start_at_zero
 from cluster.router import choose_mode
 
 SERVE_METRICS = {"ray_serve_deployment_replica_healthy", "ray_serve_deployment_queued_queries",
@@ -58,3 +59,29 @@ def test_dashboard_has_the_rows_variables_and_only_known_metrics(tmp_path):
             names = set(re.findall(r"\b(ray_[a-z0-9_]+)", target["expr"]))
             names = {re.sub(r"_(bucket)$", "", n) for n in names}
             assert names and names <= ours | SERVE_METRICS, (panel["title"], names)
+
+
+class FakeCounter:
+    def __init__(self):
+        self.records = []
+
+    def _record(self, value, tags):
+        self.records.append((value, tags))
+
+
+def test_every_counter_starts_at_zero_with_each_known_label_value():
+    """A counter without a series until its first increment made the dashboard's Preemptions/s say "No data"."""
+    for m in (m for m in METRICS if m.kind == "counter"):
+        counter = FakeCounter()
+        start_at_zero(counter, m, draft_len=3)
+        assert counter.records and {v for v, _ in counter.records} == {0.0}, m.name
+        assert len({tuple(sorted(t.items())) for _, t in counter.records}) == len(counter.records)
+        for label in m.labels:  # a new labelled counter needs its known values in LABEL_VALUES
+            assert {t[label] for _, t in counter.records} == \
+                ({"0", "1", "2"} if label == "position" else set(LABEL_VALUES[label])), (m.name, label)
+    decisions = FakeCounter()
+    start_at_zero(decisions, next(m for m in METRICS if m.name == "router_decisions"))
+    assert len(decisions.records) == 2 * (len(ROUTER_REASONS) + 1)  # mode x reason, "other" included
+    per_pos = FakeCounter()
+    start_at_zero(per_pos, next(m for m in METRICS if m.name == "spec_decode_num_accepted_tokens_per_pos"))
+    assert per_pos.records == []  # no drafter: no position is known

@@ -1,9 +1,11 @@
 """A real Prometheus (Debian's ``prometheus``) scrapes the session's Ray cluster while the tiny model
 serves traffic; every dashboard panel's PromQL must return data through Prometheus's HTTP API, and the
-alert rules must evaluate (two of them, given thresholds the traffic breaks, must fire)."""
+alert rules must evaluate (two of them, given thresholds the traffic breaks, must fire). On a freshly
+deployed application, every series a panel or a rule reads exists after start-up and one request."""
 
 import asyncio
 import math
+import re
 import socket
 import subprocess
 import time
@@ -13,9 +15,12 @@ import pytest
 import ray
 from conftest import OBS_MODEL
 from prom_tools import prometheus_binary
+from ray import serve
 
-from cluster.observability.alerts import AlertThresholds, write_prometheus_files
-from cluster.observability.dashboard import panels
+from cluster.app import deploy
+from cluster.observability.alerts import AlertThresholds, alert_rules, write_prometheus_files
+from cluster.observability.dashboard import build_dashboard, panels
+from cluster.observability.metrics import METRICS, known_label_values
 
 VARIABLES = {"$model": OBS_MODEL, "$pool": ".*", "$app": "obs", "$__rate_interval": "2m"}
 
@@ -98,6 +103,65 @@ def wait_for_series(url: str, names: list[str], timeout_s: float = 60) -> None:
         missing = [n for n in missing if not query(url, f'ray_rdserve_{n}{{model_name="{OBS_MODEL}"}}')]
         time.sleep(1)
     assert not missing, f"series not scraped within {timeout_s} s: {missing}"
+
+
+def queried_series() -> set[str]:
+    """Every series name (``ray_...``, a histogram's ``_bucket``/``_count`` as written) that the dashboard's
+    JSON (panel targets, template variables) or an alert rule queries: a new panel or rule is covered
+    without editing this test."""
+    exprs = [r["expr"] for g in alert_rules()["groups"] for r in g["rules"]]
+
+    def walk(node):
+        if isinstance(node, dict):
+            for key, val in node.items():
+                if key in ("expr", "query") and isinstance(val, str):
+                    exprs.append(val)
+                else:
+                    walk(val)
+        elif isinstance(node, list):
+            for val in node:
+                walk(val)
+
+    walk(build_dashboard())
+    return {name for e in exprs for name in re.findall(r"\b(ray_[a-z0-9_]+)", e)}
+
+
+FRESH_MODEL, FRESH_APP = "tiny-fresh", "fresh"
+
+
+def test_every_queried_series_exists_after_start_and_one_request(prometheus, base_url, tiny_config):
+    """A counter has no series until it is recorded: a panel over a rare event (preemptions) said "No data"
+    on a healthy replica. Replicas record every counter at zero when they start, each known label value
+    too, so after one request nothing a panel or a rule queries is missing."""
+    names = queried_series()
+    assert {"ray_rdserve_num_preemptions_total", "ray_rdserve_request_failure_total",
+            "ray_serve_deployment_replica_healthy"} <= names  # the parse finds targets, variables and rules
+    cfg = tiny_config.model_copy(update={"model": tiny_config.model.model_copy(update={"name": FRESH_MODEL})})
+    deploy(cfg, name=FRESH_APP, route_prefix=f"/{FRESH_APP}")
+    try:
+        r = httpx.post(f"{base_url}/{FRESH_APP}/v1/completions", timeout=120,
+                       json={"model": FRESH_MODEL, "prompt": "Once upon a time", "max_tokens": 8, "temperature": 0})
+        assert r.status_code == 200, r.text
+
+        def selector(name: str) -> str:
+            return f'{{model_name="{FRESH_MODEL}"}}' if name.startswith("ray_rdserve_") else \
+                f'{{application="{FRESH_APP}"}}'
+
+        missing = sorted(names)
+        deadline = time.monotonic() + 60
+        while missing and time.monotonic() < deadline:
+            missing = [n for n in missing if not query(prometheus, n + selector(n))]
+            if missing:
+                time.sleep(1)
+        assert not missing, f"queried by a panel or a rule, but no series after start-up and one request: {missing}"
+        for m in METRICS:
+            if m.kind != "counter" or not m.labels:
+                continue
+            for label, values in known_label_values(m, cfg.engine.draft_len_per_beam).items():
+                found = {s["metric"].get(label) for s in query(prometheus, m.exported + selector(m.exported))}
+                assert set(values) <= found, (m.exported, label, sorted(set(values) - found))
+    finally:
+        serve.delete(FRESH_APP)
 
 
 def test_every_dashboard_query_returns_data_and_alert_rules_evaluate(prometheus, obs_url):
