@@ -29,7 +29,7 @@ from cluster.router import choose_mode, router_for_kernel
 from workers.async_engine import AsyncEngine, EngineFailure
 from workers.engine import GenerationDelta
 from workers.sampling import SamplingParams
-from workers.spec_schedule import largest_speculating_batch
+from workers.spec_schedule import largest_speculating_batch, schedule_text
 
 log = logging.getLogger("ray.serve")
 
@@ -82,12 +82,7 @@ def serve_replica_id() -> str:
 
 def _schedule_text(engine) -> str:
     """The engine's speculation schedule for a log line: ``auto``, ``off`` or ``1x2<=2, off above``."""
-    table = engine.spec_schedule
-    if table in ("auto", "off") or not table:
-        return table or "off"
-    rows = [f"{r.num_beams}x{r.draft_len_per_beam}<={r.max_batch_size}" if r.shape else f"off<={r.max_batch_size}"
-            for r in table]
-    return ", ".join(rows) + ", off above"
+    return schedule_text(engine.spec_schedule or "off")
 
 
 @serve.deployment
