@@ -85,28 +85,24 @@ def up(config: Path = ConfigOption) -> None:
     """
     cfg = _with_model_dir(_startable_config(config))
     from cluster.app import SERVE_ENV, deploy, local_serve_env
-    from cluster.observability.http import port_in_use
+    from cluster.local_ray import keep_ray_on_loopback, loopback_only, ray_init_options
 
-    metrics_port = cfg.observability.metrics_port  # Ray's metrics agent serves Prometheus text there
-    for field, port in (("serve.port", cfg.serve.port), ("observability.metrics_port", metrics_port)):
-        if port_in_use(port):
-            err_console.print(f"[red]config error[/red]: {field}: port {port} is in use (another Ray or rdserve?); "
-                              "choose a free port", highlight=False)
-            raise typer.Exit(2)
+    local_env = local_serve_env(cfg.serve.port)
+    direct_ingress = os.environ.get("RAY_SERVE_ENABLE_DIRECT_INGRESS",  # else Serve's proxy serves the port
+                                    local_env["RAY_SERVE_ENABLE_DIRECT_INGRESS"]) == "1"
+    _check_ports(cfg, direct_ingress)
     # Before ray.init (Ray's processes inherit the driver's environment). An operator's own values of
     # SERVE_ENV and of RAY_SERVE_ENABLE_DIRECT_INGRESS win; the direct-ingress port is this run's serve.port.
-    local_env = local_serve_env(cfg.serve.port)
     operator_may_set = {**SERVE_ENV, "RAY_SERVE_ENABLE_DIRECT_INGRESS": local_env.pop("RAY_SERVE_ENABLE_DIRECT_INGRESS")}
     for key, value in operator_may_set.items():
         os.environ.setdefault(key, value)
     os.environ.update(local_env)
-    direct_ingress = os.environ["RAY_SERVE_ENABLE_DIRECT_INGRESS"] == "1"  # else Serve's proxy serves the port
+    if loopback_only(cfg):  # every Ray listener on loopback (cluster.local_ray)
+        keep_ray_on_loopback()
     import ray
     from ray import serve
 
-    local_only = cfg.serve.host in ("127.0.0.1", "localhost")  # keep Ray's own ports on loopback too
-    ray.init(include_dashboard=False, logging_level=logging.WARNING, _metrics_export_port=metrics_port,
-             **({"_node_ip_address": "127.0.0.1"} if local_only else {}))
+    ray.init(logging_level=logging.WARNING, **ray_init_options(cfg))
     stop = threading.Event()
 
     def request_stop(*_) -> None:  # the first signal shuts down cleanly; a second one is not caught
@@ -129,6 +125,28 @@ def up(config: Path = ConfigOption) -> None:
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+def _check_ports(cfg: RdserveConfig, direct_ingress: bool) -> None:
+    """Exit with code 2 naming the field when something listens on ``serve.port`` or
+    ``observability.metrics_port``; wait (at most ``PORT_LINGER_S``) while only a stopped server's closed
+    connections hold one its new server cannot bind over (``serve.port`` under Serve's direct ingress,
+    which binds without ``SO_REUSEADDR``; see :mod:`cluster.local_ray`)."""
+    from cluster.local_ray import PORT_LINGER_S, port_state, wait_while_closing
+
+    for field, port, reuse in (("serve.port", cfg.serve.port, not direct_ingress),
+                               ("observability.metrics_port", cfg.observability.metrics_port, True)):
+        state = port_state(port, reuse)
+        if state == "closing":
+            console.print(f"{field}: port {port} is held by closed connections of a stopped server (TIME-WAIT); "
+                          f"waiting until it is released (at most {PORT_LINGER_S:.0f} s)", highlight=False)
+            state = wait_while_closing(port, reuse)
+        if state != "free":
+            why = "is in use (another Ray or rdserve?)" if state == "listening" else \
+                f"was not released within {PORT_LINGER_S:.0f} s"
+            err_console.print(f"[red]config error[/red]: {field}: port {port} {why}; choose a free port",
+                              highlight=False)
+            raise typer.Exit(2)
 
 
 def _free_port(host: str) -> int:

@@ -306,6 +306,11 @@ class ObservabilityConfig(_Section):
                           "replicas record nothing; Ray's own metrics stay)")
     metrics_port: int = Field(8080, ge=1, le=65535, description="port of Ray's metrics agent (Prometheus text at "
                               "/metrics) on each node started by `rdserve up`")
+    metrics_host: Literal["127.0.0.1", "0.0.0.0"] = Field(
+        "127.0.0.1", description="where Ray's metrics agent listens under `rdserve up`: 127.0.0.1 keeps it and "
+        "every other Ray port (GCS, raylet, workers, agents) on loopback (scrape serve.host:serve.port/metrics, "
+        "which proxies it); 0.0.0.0 for a head node that Prometheus or other nodes reach, which opens all of "
+        "Ray's ports on every interface too: Ray binds them together, by the node's address (cluster.local_ray)")
 
 
 class RdserveConfig(_Section):
