@@ -111,15 +111,3 @@ def add_metrics_routes(api: FastAPI) -> None:
             return JSONResponse({"error": {"message": f"Ray's metrics agent ({agent.get('url', 'unknown')}) did "
                                            f"not answer: {err}", "type": "server_error"}}, status_code=503)
         return Response(reply.content, media_type=reply.headers.get("content-type", "text/plain; version=0.0.4"))
-
-
-def port_in_use(port: int, host: str = "") -> bool:
-    """True when ``port`` cannot be bound on ``host`` (default: all interfaces), e.g. taken by another Ray."""
-    import socket
-
-    with socket.socket() as s:
-        try:
-            s.bind((host, port))
-        except OSError:
-            return True
-    return False
