@@ -47,8 +47,7 @@ HERE = Path(__file__).parent
 SOURCES = [HERE / "packed_gemm.c", HERE / "q4_1_gemm.c", HERE / "q8_0_gemm.c", HERE / "q4_1_vnni.c",
            HERE / "q8_0_vnni.c", HERE / "int8_avx2.c", HERE / "rms_norm.c", HERE / "decode_attention.c", HERE / "rope_kv.c", HERE / "decoder.c",
            HERE / "drafter.c"]
-HEADERS = [HERE / "simd.h", HERE / "panel_gemm.h", HERE / "vnni_gemm.h", HERE / "int8_linear.h", HERE / "linear_dispatch.h",
-           HERE / "work_split.h"]
+HEADERS = [HERE / "simd.h", HERE / "panel_gemm.h", HERE / "vnni_gemm.h", HERE / "int8_linear.h", HERE / "linear_dispatch.h"]
 INT8_ENTRIES = ("rd_linear_q4_1_vnni", "rd_linear_q8_0_vnni", "rd_linear_q4_1_int8_avx2", "rd_linear_q8_0_int8_avx2")
 FLAGS = ["-O3", "-mtune=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 ISA_FLAGS = {

@@ -21,7 +21,6 @@
 #include <stdlib.h>
 
 #include "simd.h"
-#include "work_split.h"
 
 /* Scratch per thread: scores [T][Lp] (Lp = L rounded up to 16). */
 typedef struct {
@@ -136,7 +135,6 @@ int rd_decode_attention(const float *q, long q_stride, const float *kc, const fl
                         long D, float scale) {
     args_t a = {q, kc, vc, slots, mask, out, q_stride, run_start, T, L, (L + 15) / 16 * 16, H, HKV, D, scale};
     int failed = 0;
-    const long chunk = rd_chunk(B * H);
 #pragma omp parallel if (B * H > 1)
     {
         float *s = malloc(sizeof(float) * (size_t)(T * a.Lp));
@@ -144,7 +142,7 @@ int rd_decode_attention(const float *q, long q_stride, const float *kc, const fl
 #pragma omp atomic write
             failed = 1;
         }
-#pragma omp for collapse(2) schedule(dynamic, chunk)
+#pragma omp for collapse(2) schedule(static)
         for (long b = 0; b < B; b++)
             for (long h = 0; h < H; h++)
                 if (s) head(&a, b, h, s);

@@ -16,8 +16,6 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-#include "work_split.h"
-
 #define INT8_PANEL 32
 #define INT8_KBLOCK 32
 
@@ -43,7 +41,6 @@ static inline int int8_linear(int8_quantizer quantize, const int8_kernel *kernel
     float *asum = scale + blocks;
     int8_t *a = (int8_t *)(asum + blocks);
     const int serial = blocks <= INT8_SERIAL_BLOCKS;
-    const long chunk = rd_chunk(panels);
     if (serial) quantize(x, 0, blocks, a, scale, asum);
 #pragma omp parallel
     {
@@ -52,7 +49,7 @@ static inline int int8_linear(int8_quantizer quantize, const int8_kernel *kernel
             quantize(x, blocks * t / T, blocks * (t + 1) / T, a, scale, asum);
 #pragma omp barrier
         }
-#pragma omp for schedule(dynamic, chunk)
+#pragma omp for schedule(static)
         for (long p = 0; p < panels; p++) {
             long n0 = p * INT8_PANEL;
             long nvalid = N - n0 < INT8_PANEL ? N - n0 : INT8_PANEL;

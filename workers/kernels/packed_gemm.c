@@ -50,8 +50,7 @@ static void one_row_group(const float *x, long K, const float *wp, const float *
 void rd_linear_packed(const float *x, const float *wp, const float *bias, float *y, long M, long K, long N) {
     long panels = (N + PANEL - 1) / PANEL;
     if (M == 1 && panels % GROUP == 0) {
-        const long chunk = rd_chunk(panels / GROUP);
-#pragma omp parallel for schedule(dynamic, chunk)
+#pragma omp parallel for schedule(static)
         for (long g = 0; g < panels / GROUP; g++) {
             long n0 = g * GROUP * PANEL;
             long nvalid = N - n0 < GROUP * PANEL ? N - n0 : GROUP * PANEL;

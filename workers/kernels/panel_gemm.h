@@ -22,7 +22,6 @@
 #include <string.h>
 
 #include "simd.h"
-#include "work_split.h"
 
 #define PANEL 32
 #define KBLOCK 32
@@ -194,8 +193,7 @@ quant_linear(const int fmt, const row_kernel *kernels, int rows, size_t block_by
              const void *w, const float *bias, float *y, long M, long K, long N) {
     long panels = (N + PANEL - 1) / PANEL;
     size_t panel_bytes = (size_t)(K / KBLOCK) * block_bytes;
-    const long chunk = rd_chunk(panels);
-#pragma omp parallel for schedule(dynamic, chunk)
+#pragma omp parallel for schedule(static)
     for (long p = 0; p < panels; p++) {
         long n0 = p * PANEL;
         long nvalid = N - n0 < PANEL ? N - n0 : PANEL;
@@ -222,8 +220,7 @@ quant_linear(const int fmt, const row_kernel *kernels, int rows, size_t block_by
 static inline void panels_times_rows(const row_kernel *kernels, int rows, const float *x, const void *w,
                                      size_t panel_bytes, const float *bias, float *y, long M, long K, long N) {
     long panels = (N + PANEL - 1) / PANEL;
-    const long chunk = rd_chunk(panels);
-#pragma omp parallel for schedule(dynamic, chunk)
+#pragma omp parallel for schedule(static)
     for (long p = 0; p < panels; p++) {
         long n0 = p * PANEL;
         long nvalid = N - n0 < PANEL ? N - n0 : PANEL;
