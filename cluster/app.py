@@ -17,12 +17,27 @@ APP_NAME = "rdserve"
 INGRESS_NAME = "OpenAIIngress"
 ENGINE_NAME = "EngineReplica"
 
-SERVE_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
+SERVE_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_worker_niceness": "0", "GOMP_SPINCOUNT": "10000"}
 """Environment rdserve gives Ray (``rdserve up``, the Serve config, Kubernetes pods; an operator's own
-value wins): Ray Serve's throughput mode runs replica code on the replica's event loop instead of a
-second thread, talks gRPC between proxy and replicas, serves HTTP at the ingress replica directly and
-freezes start-up objects out of the garbage collector; every token of a stream crosses fewer threads
-and processes (``benchmarks/served_vs_engine.py``)."""
+value wins):
+
+- ``RAY_SERVE_THROUGHPUT_OPTIMIZED``: Ray Serve's throughput mode runs replica code on the replica's
+  event loop instead of a second thread, talks gRPC between proxy and replicas, serves HTTP at the
+  ingress replica directly and freezes start-up objects out of the garbage collector; every token of
+  a stream crosses fewer threads and processes (``benchmarks/served_vs_engine.py``).
+- ``RAY_worker_niceness`` 0: Ray starts its workers (the engine replicas, the ingress, Serve's proxy)
+  at niceness 15 by default, so anything at the default priority, a load generator or a sidecar,
+  takes ~28x their CPU share, and even a ``nice -n 19`` loop competes with them as a near equal
+  (weights 36 and 15). At 0 the serving processes share cores as ordinary processes do. Read by the
+  raylet, so it must be in the environment Ray starts in (``rdserve up``, the pods).
+- ``GOMP_SPINCOUNT``: how long an idle OpenMP thread (the engine's kernels and torch's) spins before it
+  sleeps. libgomp's default, 300,000 pause loops, is several milliseconds: a thread waiting at a
+  barrier for a preempted team mate keeps its core busy, so the preempted thread cannot move there,
+  and between steps the spinning threads take the cores the ingress and the event loop need.
+  10,000 (a fraction of a millisecond) still covers the gaps between kernels inside a step
+  (``benchmarks/contention.py`` measures the choices). Read when the OpenMP runtime loads, so it
+  must be in the process's environment at start (the workers inherit it from Ray's or get it from
+  the Serve config's ``runtime_env``)."""
 
 
 def local_serve_env(port: int) -> dict[str, str]:

@@ -103,6 +103,10 @@ class EngineConfig(_Section):
                                     "(with autoscaling: cores / max_replicas, so a full machine is not oversubscribed). "
                                     "Above the cores of the machine a replica starts on, it logs a warning and "
                                     "uses the cores (more threads than cores only contend)")
+    adaptive_threads: bool = Field(True, description="each engine step runs on the thread count, up to num_threads, "
+                                   "that its measured step times favour (workers/thread_policy.py): when another "
+                                   "process takes a core, steps move to fewer threads instead of stalling on the "
+                                   "preempted one; false = always num_threads. CPU engines without tensor parallelism")
     spec_schedule: Literal["auto"] | SpecSchedule | None = Field(
         None, description="'auto' (the goodput model: shape or plain per iteration from spec_calibration's "
         "step costs and live acceptance), 'off', or rows {max_batch_size, num_beams, draft_len_per_beam} "

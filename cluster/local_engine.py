@@ -46,7 +46,7 @@ def build_engine(cfg: RdserveConfig, tp_gpus: list[str] | None = None):
         prompt_lookup_num_tokens=eng.prompt_lookup_num_tokens, prompt_lookup_min=eng.prompt_lookup_min,
         prompt_lookup_max=eng.prompt_lookup_max, prompt_lookup_max_num_tokens=eng.prompt_lookup_max_num_tokens,
         draft_search=eng.draft_search,
-        num_threads=num_threads(cfg),
+        num_threads=num_threads(cfg), adaptive_threads=eng.adaptive_threads,
     )
     factory = policy_for_kernel = None
     if eng.spec_schedule == "auto":

@@ -38,6 +38,7 @@ from workers.scheduler import Scheduler, SchedulerConfig
 from workers.sequence import Sequence
 from workers.spec_schedule import TablePolicy, fixed_schedule, validate_schedule
 from workers.stopping import OutputStream
+from workers.thread_policy import ThreadPolicy
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 MODES = ("spec", "plain")
@@ -84,6 +85,10 @@ class EngineOptions:
         available after loading the weights) sizes the cache; it is capped at what
         ``max_batch_size`` full-length sequences need.
     tp_size: tensor-parallel ranks of the executor (sizes each rank's share of the KV cache).
+    num_threads: intra-op threads (None: torch's default). adaptive_threads: on a CPU engine
+        without tensor parallelism, each step runs on the thread count (at most ``num_threads``)
+        its measured step times favour (:mod:`workers.thread_policy`), so a core taken by another
+        process costs in proportion instead of stalling every step; outputs are unchanged.
     weights: ``"auto"`` (the model's GGUF quantized blocks where the model came from one and the
         engine runs float32 on CPU, else float32), ``"gguf"`` or ``"float32"``
         (:mod:`workers.models.gguf_weights`). On GGUF blocks the drafter runs on Q8_0 blocks too
@@ -127,6 +132,7 @@ class EngineOptions:
     num_kv_blocks: int | None = None
     kv_cache_fraction: float = 0.2
     num_threads: int | None = None
+    adaptive_threads: bool = False
     tp_size: int = 1
     weights: str = "auto"
     prefill_dtype: str = "auto"
@@ -175,6 +181,8 @@ class Engine:
             opts.prompt_lookup_max_num_tokens)
         if opts.num_threads:
             torch.set_num_threads(opts.num_threads)
+        self.thread_policy = ThreadPolicy(torch.get_num_threads()) \
+            if opts.adaptive_threads and opts.device == "cpu" and opts.tp_size == 1 and torch.get_num_threads() > 1 else None
         self.options = opts
         self.device = torch.device(opts.device)
         dtype = DTYPES[opts.dtype]
@@ -390,7 +398,13 @@ class Engine:
             remaining = seq.max_tokens - len(seq.output_token_ids)
             limits[seq.request_id] = remaining - 1 if draft and plan.spec_shape else 0
         full_depth = self.runner.max_draft_depth(plan.spec_shape) if plan.spec_shape else 0
-        results = self.runner.run(plan.context, plan.generation, plan.spec_shape, limits)
+        if self.thread_policy is None:
+            results = self.runner.run(plan.context, plan.generation, plan.spec_shape, limits)
+        else:
+            rows, threads = plan.num_tokens, self.thread_policy.choose(plan.num_tokens, t0)
+            torch.set_num_threads(threads)
+            results = self.runner.run(plan.context, plan.generation, plan.spec_shape, limits)
+            self.thread_policy.observe(rows, threads, time.perf_counter() - t0)
         deltas, finished = [], []
         for r in results:
             if not r.tokens:

@@ -1,0 +1,99 @@
+"""The per-step thread count (workers/thread_policy.py): measured, follows a core being taken and
+given back, probes at a bounded rate, and never changes an engine's output."""
+
+import pytest
+import torch
+
+from workers.engine import Engine
+from workers.sampling import SamplingParams
+from workers.thread_policy import ThreadPolicy, candidate_counts, size_class
+
+
+def run(policy: ThreadPolicy, step_s: dict[int, float], steps: int, rows: int = 1, dt: float = 0.01,
+        t0: float = 0.0) -> list[int]:
+    """Drive ``policy`` for ``steps`` steps whose time on ``t`` threads is ``step_s[t]``; the counts chosen."""
+    chosen, now = [], t0
+    for _ in range(steps):
+        t = policy.choose(rows, now)
+        policy.observe(rows, t, step_s[t])
+        chosen.append(t)
+        now += dt
+    return chosen
+
+
+def test_candidates_and_size_classes():
+    assert candidate_counts(1) == [1] and candidate_counts(2) == [1, 2] and candidate_counts(6) == [1, 2, 4, 6]
+    assert candidate_counts(16) == [1, 2, 4, 8, 16]
+    assert [size_class(r) for r in (0, 1, 2, 3, 4, 7, 8)] == [1, 1, 2, 2, 3, 3, 4]
+    with pytest.raises(ValueError, match="max_threads must be >= 1"):
+        ThreadPolicy(0)
+
+
+def test_measures_every_count_then_keeps_the_fastest():
+    policy = ThreadPolicy(4, probe_interval_s=1.0)
+    chosen = run(policy, {1: 0.010, 2: 0.006, 4: 0.005}, 50)
+    assert chosen[:6] == [4, 4, 2, 2, 1, 1]  # each count measured (its first step is not), most threads first
+    assert set(chosen[6:]) == {4} and policy.best(1) == 4  # 0.5 s of steps: no probe yet
+
+
+def test_more_threads_win_within_the_margin():
+    policy = ThreadPolicy(2, margin=0.05)
+    run(policy, {1: 0.0098, 2: 0.0100}, 10)
+    assert policy.best(1) == 2
+    other = ThreadPolicy(2, margin=0.05)
+    run(other, {1: 0.0090, 2: 0.0100}, 10)
+    assert other.best(1) == 1
+
+
+def test_size_classes_learn_apart():
+    policy = ThreadPolicy(2)
+    run(policy, {1: 0.005, 2: 0.006}, 10, rows=1)  # batch 1: one thread faster (e.g. a core shared)
+    run(policy, {1: 0.040, 2: 0.022}, 10, rows=64)  # a prompt chunk: compute-bound
+    assert policy.best(1) == 1 and policy.best(64) == 2 and policy.best(100) == 2 and policy.best(40) is None
+
+
+def test_follows_a_core_being_taken_and_given_back():
+    """Quiet: 2 threads win. A busy process on one core: 2-thread steps 5x slower, the policy moves
+    to 1 thread within one probe interval and probes 2 threads rarely; the core given back, 2
+    threads win again within a bounded time."""
+    policy = ThreadPolicy(2, probe_interval_s=1.0)
+    quiet, busy = {1: 0.010, 2: 0.006}, {1: 0.011, 2: 0.030}
+    assert run(policy, quiet, 100)[-1] == 2
+    chosen = run(policy, busy, 1000, t0=1.0)  # 10 s contended
+    assert 1 in chosen[:120] and chosen[-1] == 1
+    probes = chosen[120:].count(2)  # 3-step probes, rarer as the average shows 2 threads 2.7x slower
+    assert probes <= 15 and probes * busy[2] <= 0.05 * sum(busy[t] for t in chosen[120:])  # <= 5% of the time
+    after = run(policy, quiet, 3000, t0=11.0)  # 30 s quiet again
+    assert after[-1] == 2 and after[-500:].count(2) >= 490
+
+
+def test_ignores_bad_samples():
+    policy = ThreadPolicy(2)
+    policy.observe(1, 3, 0.01)  # not a candidate
+    policy.observe(1, 2, float("nan"))
+    policy.observe(1, 2, 0.0)
+    assert policy.stats() == {}
+    policy.observe(1, 2, 0.004)
+    assert policy.stats() == {"rows<2": {2: 4.0}}
+
+
+def test_an_engine_gives_the_same_output_whatever_its_threads_do(tiny_model_dirs, trained_drafter_dirs):
+    """A real engine (GGUF blocks, spec and plain) with the policy on: the same greedy tokens as with
+    it off, and both counts were measured (the policy really switched)."""
+    model, drafter = str(tiny_model_dirs["tied_gqa2@gguf"]), str(trained_drafter_dirs["tied_gqa2@gguf"])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        outputs = {}
+        for adaptive in (False, True):
+            engine = Engine(model, drafter, num_beams=2, draft_len_per_beam=2, max_seq_len=128, num_kv_blocks=64,
+                            adaptive_threads=adaptive)
+            assert (engine.thread_policy is not None) == adaptive
+            outputs[adaptive] = [[t for mode in ("plain", "spec")
+                                  for d in engine.generate(list(range(5, 5 + n)), SamplingParams(max_tokens=24),
+                                                           mode, f"{mode}{n}") for t in d.token_ids]
+                                 for n in (3, 11, 40)]
+        assert outputs[True] == outputs[False]
+        assert any(len(by_count) == 2 for by_count in engine.thread_policy.stats().values())
+    finally:
+        torch.set_num_threads(threads)

@@ -1,0 +1,129 @@
+"""How many intra-op threads each engine step runs on, learned from the step times this engine sees.
+
+A CPU engine's threads synchronise at every linear of every layer (a step is ~200 parallel loops).
+When another process takes a core, for a moment (a ``nice -n 19`` busy loop, Ray's daemons) or for
+good (a load generator that keeps a core busy), the thread on that core stalls every loop until the
+scheduler gives it the core back, and a step on two threads becomes slower than on one. On a quiet
+machine, more threads help only where a step has enough rows to be compute-bound (batched decode,
+draft trees, prompt chunks); a batch-1 decode step streams the weights at the memory system's speed
+and gains little, while a second spinning thread takes the core the HTTP ingress needs.
+
+So the number is measured, not configured: per size class of step (rows in the step, in powers of
+two), a moving average of the step time on each candidate thread count; a step runs on the count
+with the lowest average, more threads winning ties within :attr:`ThreadPolicy.margin` (a step's
+time does not show what its threads cost the rest of the process: measured over HTTP at 16
+concurrent requests, preferring fewer threads on ties served 150 tokens/s where 2 threads served 194). Every :attr:`ThreadPolicy.probe_interval_s` of a size class's steps,
+:attr:`ThreadPolicy.probe_steps` steps try the next candidate, so the choice follows the machine as
+the load on it changes; a candidate far slower than the best is probed less often (the interval
+grows with the ratio), which bounds what probing costs under contention. The first step after the
+count changes is not measured: threads that slept wake up and find their caches cold, which a
+single-step probe would charge to the larger count.
+
+Kernels give the same bits on any thread count (tests/workers/kernels), so the choice changes only
+speed, never output.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+def candidate_counts(max_threads: int) -> list[int]:
+    """Thread counts worth trying: 1, powers of two below ``max_threads``, and ``max_threads``."""
+    counts = {1, max_threads}
+    t = 2
+    while t < max_threads:
+        counts.add(t)
+        t *= 2
+    return sorted(counts)
+
+
+def size_class(rows: int) -> int:
+    """Steps of ``rows`` query rows (decode rows + draft-tree rows + prompt tokens) in classes of
+    powers of two: 1, 2-3, 4-7, ..."""
+    return max(rows, 1).bit_length()
+
+
+@dataclass
+class ThreadPolicy:
+    """Chooses the thread count of each step from measured step times (see the module docstring).
+
+    max_threads: the most threads a step may run on (the engine's ``num_threads``).
+    probe_interval_s: seconds of a size class's steps between probes of another count, when that
+        count was last measured no slower than the best (an ``r`` times slower one: ``r`` times rarer).
+    probe_steps: steps of one probe (the first is not measured, see the module docstring).
+    alpha: weight of the newest step time in each moving average.
+    margin: more threads are kept unless fewer are at least this fraction faster.
+    """
+
+    max_threads: int
+    probe_interval_s: float = 1.0
+    probe_steps: int = 3
+    alpha: float = 0.25
+    margin: float = 0.05
+    _step_s: dict[tuple[int, int], float] = field(default_factory=dict)
+    _next_probe: dict[int, float] = field(default_factory=dict)
+    _probe_turn: dict[int, int] = field(default_factory=dict)
+    _probing: dict[int, tuple[int, int]] = field(default_factory=dict)  # class -> (count, steps left)
+    _last: int | None = None  # the count of the previous step
+
+    def __post_init__(self):
+        if self.max_threads < 1:
+            raise ValueError(f"max_threads must be >= 1, got {self.max_threads}")
+        self.counts = candidate_counts(self.max_threads)
+
+    def best(self, rows: int) -> int | None:
+        """The measured best count for steps of ``rows`` rows, None while some count is unmeasured."""
+        c = size_class(rows)
+        times = [self._step_s.get((c, t)) for t in self.counts]
+        if any(s is None for s in times):
+            return None
+        best = min(range(len(times)), key=times.__getitem__)
+        for i in reversed(range(best + 1, len(times))):  # more threads within the margin win
+            if times[i] <= times[best] * (1 + self.margin):
+                return self.counts[i]
+        return self.counts[best]
+
+    def choose(self, rows: int, now: float) -> int:
+        """Threads for the next step of ``rows`` rows at time ``now`` (seconds, monotonic)."""
+        c = size_class(rows)
+        for t in reversed(self.counts):  # measure every count, most threads first
+            if (c, t) not in self._step_s:
+                return t
+        if c in self._probing:
+            probe, left = self._probing[c]
+            if left > 1:
+                self._probing[c] = (probe, left - 1)
+            else:
+                del self._probing[c]
+            return probe
+        best = self.best(rows)
+        if now < self._next_probe.setdefault(c, now + self.probe_interval_s) or len(self.counts) == 1:
+            return best
+        others = [t for t in self.counts if t != best]
+        turn = self._probe_turn.get(c, 0) % len(others)
+        self._probe_turn[c] = turn + 1
+        probe = others[turn]
+        slowdown = self._step_s[c, probe] / self._step_s[c, best]
+        self._next_probe[c] = now + self.probe_interval_s * max(1.0, slowdown)
+        if self.probe_steps > 1:
+            self._probing[c] = (probe, self.probe_steps - 1)
+        return probe
+
+    def observe(self, rows: int, threads: int, step_s: float) -> None:
+        """Record that a step of ``rows`` rows on ``threads`` threads took ``step_s`` seconds (not
+        counted when the previous step ran on another count)."""
+        switched, self._last = threads != self._last, threads
+        if switched or threads not in self.counts or not math.isfinite(step_s) or step_s <= 0:
+            return
+        key = (size_class(rows), threads)
+        old = self._step_s.get(key)
+        self._step_s[key] = step_s if old is None else (1 - self.alpha) * old + self.alpha * step_s
+
+    def stats(self) -> dict[str, dict[int, float]]:
+        """``{"rows<2^c": {threads: mean step ms}}`` for logs and tests."""
+        out: dict[str, dict[int, float]] = {}
+        for (c, t), s in sorted(self._step_s.items()):
+            out.setdefault(f"rows<{2 ** c}", {})[t] = round(s * 1e3, 3)
+        return out
