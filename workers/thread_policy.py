@@ -61,7 +61,7 @@ class ThreadPolicy:
     probe_interval_s: float = 1.0
     probe_steps: int = 3
     alpha: float = 0.25
-    margin: float = 0.05
+    margin: float = 0.15
     _step_s: dict[tuple[int, int], float] = field(default_factory=dict)
     _next_probe: dict[int, float] = field(default_factory=dict)
     _probe_turn: dict[int, int] = field(default_factory=dict)
