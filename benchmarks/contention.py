@@ -58,21 +58,22 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def serving_processes() -> list[dict]:
-    """Ray Serve's replica and proxy processes on this machine (Linux ``/proc``): name, niceness and
-    the OpenMP spin count their environment sets (None: libgomp's default)."""
+def serving_processes(root_pid: int) -> list[dict]:
+    """Ray Serve's replica and proxy processes under ``root_pid`` (``rdserve up``; other Ray clusters on
+    the machine are not looked at): name, niceness and the OpenMP spin count their environment sets
+    (None: libgomp's default). Linux ``/proc``."""
+    import psutil
+
     out = []
-    for proc in Path("/proc").iterdir():
+    for proc in psutil.Process(root_pid).children(recursive=True):
         try:
-            title = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+            title = " ".join(proc.cmdline()).strip()
             if not title.startswith(("ray::ServeReplica", "ray::ProxyActor", "ray::EngineReplica")):
                 continue
-            nice = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[16])
-            environ = dict(kv.split("=", 1) for kv in (proc / "environ").read_bytes().decode(errors="replace").split("\0") if "=" in kv)
-        except (OSError, ValueError, IndexError):
+            out.append({"pid": proc.pid, "title": title.split()[0], "nice": proc.nice(),
+                        "GOMP_SPINCOUNT": proc.environ().get("GOMP_SPINCOUNT")})
+        except (psutil.Error, OSError):
             continue
-        out.append({"pid": int(proc.name), "title": title.split()[0], "nice": nice,
-                    "GOMP_SPINCOUNT": environ.get("GOMP_SPINCOUNT")})
     return sorted(out, key=lambda p: p["title"])
 
 
@@ -153,7 +154,7 @@ def main() -> None:
     try:
         health = httpx.get(f"{base_url}/health", timeout=10).json()
         results["kernel"] = health.get("kernel")
-        results["serving_processes"] = serving_processes()
+        results["serving_processes"] = serving_processes(proc.pid)
         batch1 = rows[: args.num_requests]
         served_run(base_url, model, rows[:2], 2, 1, "plain", 16)  # warm-up
         run = lambda c, n, label: results["cases"].__setitem__(label, {  # noqa: E731

@@ -8,6 +8,7 @@ the benchmark's business (BENCHMARKS.md), not this test's."""
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -18,10 +19,17 @@ REPO = Path(__file__).resolve().parents[2]
 MODEL_NAME, MAX_SEQ_LEN = "tiny-llama", 256  # the tiny model of tests/cluster/conftest.py
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def test_contention_smoke_serves_every_case_from_fairly_scheduled_processes(tiny_config_path, tmp_path):
     config = tiny_config_path.parent / "contention.yaml"
     config.write_text(f"model: {{name: {MODEL_NAME}, path: model}}\ndrafter: {{path: drafter}}\n"
-                      f"engine: {{num_beams: 2, draft_len_per_beam: 3, max_seq_len: {MAX_SEQ_LEN}, num_threads: 2}}\n")
+                      f"engine: {{num_beams: 2, draft_len_per_beam: 3, max_seq_len: {MAX_SEQ_LEN}, num_threads: 2}}\n"
+                      f"serve: {{port: {_free_port()}}}\nobservability: {{metrics_port: {_free_port()}}}\n")
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"messages": [{"role": "user", "content": q}]}) + "\n"
                                for q in ("Once upon a time", "Tell me about rivers")))
@@ -35,7 +43,7 @@ def test_contention_smoke_serves_every_case_from_fairly_scheduled_processes(tiny
     assert set(cases) == {"batch 1, quiet", "batch 1, nice-19 busy loop", "light client, c=2"}
     assert all(c["output_tokens"] > 0 and c["output_throughput"] > 0 for c in cases.values()), cases
     processes = report["serving_processes"]
-    assert any("OpenAIIngress" in p["title"] or "EngineReplica" in p["title"] for p in processes), processes
+    assert any("OpenAIIngress" in p["title"] or "EngineReplica" in p["title"] for p in processes), processes  # ours only
     assert all(p["nice"] == 0 and p["GOMP_SPINCOUNT"] == SERVE_ENV["GOMP_SPINCOUNT"] for p in processes), processes
     assert "busy loop / quiet (batch 1; target >= 0.5)" in report["ratios"]
     assert report["kernel"] and report["cpu"]
