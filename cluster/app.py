@@ -18,8 +18,8 @@ INGRESS_NAME = "OpenAIIngress"
 ENGINE_NAME = "EngineReplica"
 
 SERVE_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_worker_niceness": "0", "GOMP_SPINCOUNT": "10000"}
-"""Environment rdserve gives Ray (``rdserve up``, the Serve config, Kubernetes pods; an operator's own
-value wins):
+"""Environment rdserve gives Ray (``rdserve up``, where an operator's own value wins; Kubernetes pods;
+the Serve config's ``runtime_env``, which overrides a pod's value for the workers):
 
 - ``RAY_SERVE_THROUGHPUT_OPTIMIZED``: Ray Serve's throughput mode runs replica code on the replica's
   event loop instead of a second thread, talks gRPC between proxy and replicas, serves HTTP at the
@@ -28,8 +28,9 @@ value wins):
 - ``RAY_worker_niceness`` 0: Ray starts its workers (the engine replicas, the ingress, Serve's proxy)
   at niceness 15 by default, so anything at the default priority, a load generator or a sidecar,
   takes ~28x their CPU share, and even a ``nice -n 19`` loop competes with them as a near equal
-  (weights 36 and 15). At 0 the serving processes share cores as ordinary processes do. Read by the
-  raylet, so it must be in the environment Ray starts in (``rdserve up``, the pods).
+  (weights 36 and 15). At 0 the serving processes share cores as ordinary processes do, Ray's own
+  daemons (raylet, GCS) included. Read by the raylet, so it takes effect from the environment Ray
+  starts in (``rdserve up``, the pods); in a Serve config's ``runtime_env`` it does nothing.
 - ``GOMP_SPINCOUNT``: how long an idle OpenMP thread (the engine's kernels and torch's) spins before it
   sleeps. libgomp's default, 300,000 pause loops, is several milliseconds: a thread waiting at a
   barrier for a preempted team mate keeps its core busy, so the preempted thread cannot move there,

@@ -106,7 +106,8 @@ def calibrate(
     batches, shape_list = _parse_batches(batch_sizes), _parse_shapes(shapes)
     cfg.engine = cfg.engine.model_copy(update={"max_batch_size": max(cfg.engine.max_batch_size, batches[-1]),
                                                "spec_schedule": None,  # each measurement sets its shape
-                                               "spec_schedule_by_kernel": None, "spec_calibration_by_kernel": None})
+                                               "spec_schedule_by_kernel": None, "spec_calibration_by_kernel": None,
+                                               "adaptive_threads": False})  # step costs on num_threads, not a mix
     engine = build_engine(_with_model_dir(cfg))
     new_entry = calibrations is not None and engine.kernel not in calibrations
     if out is None:

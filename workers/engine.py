@@ -85,8 +85,8 @@ class EngineOptions:
         available after loading the weights) sizes the cache; it is capped at what
         ``max_batch_size`` full-length sequences need.
     tp_size: tensor-parallel ranks of the executor (sizes each rank's share of the KV cache).
-    num_threads: intra-op threads (None: torch's default). adaptive_threads: on a CPU engine
-        without tensor parallelism, each step runs on the thread count (at most ``num_threads``)
+    num_threads: intra-op threads (None: torch's default). adaptive_threads: on a CPU engine on
+        rdserve's C kernels without tensor parallelism, each step runs on the thread count (at most ``num_threads``)
         its measured step times favour (:mod:`workers.thread_policy`), so a core taken by another
         process costs in proportion instead of stalling every step; outputs are unchanged.
     weights: ``"auto"`` (the model's GGUF quantized blocks where the model came from one and the
@@ -181,8 +181,6 @@ class Engine:
             opts.prompt_lookup_max_num_tokens)
         if opts.num_threads:
             torch.set_num_threads(opts.num_threads)
-        self.thread_policy = ThreadPolicy(torch.get_num_threads()) \
-            if opts.adaptive_threads and opts.device == "cpu" and opts.tp_size == 1 and torch.get_num_threads() > 1 else None
         self.options = opts
         self.device = torch.device(opts.device)
         dtype = DTYPES[opts.dtype]
@@ -192,6 +190,11 @@ class Engine:
         self.prefill_dtype = self._prefill_path(model, opts.prefill_dtype)
         self.decode_activations = self._decode_activations(model, opts.decode_activations)
         self.kernel = self._kernel_name()
+        # only on rdserve's C kernels, whose results are the same on any thread count (torch's GEMM's
+        # need not be, and a request's steps would then depend on the counts chosen)
+        on_kernels = opts.device == "cpu" and not self.kernel.endswith("-torch")
+        self.thread_policy = ThreadPolicy(torch.get_num_threads()) \
+            if opts.adaptive_threads and on_kernels and opts.tp_size == 1 and torch.get_num_threads() > 1 else None
         self.tokenizer = load_tokenizer(model_path)
         cfg = model.config
         self.config = cfg

@@ -12,11 +12,11 @@ So the number is measured, not configured: per size class of step (rows in the s
 two), a moving average of the step time on each candidate thread count; a step runs on the count
 with the lowest average, more threads winning ties within :attr:`ThreadPolicy.margin` (a step's
 time does not show what its threads cost the rest of the process: measured over HTTP at 16
-concurrent requests, preferring fewer threads on ties served 150 tokens/s where 2 threads served 194). Every :attr:`ThreadPolicy.probe_interval_s` of a size class's steps,
-:attr:`ThreadPolicy.probe_steps` steps try the next candidate, so the choice follows the machine as
-the load on it changes; a candidate far slower than the best is probed less often (the interval
-grows with the ratio), which bounds what probing costs under contention. The first step after the
-count changes is not measured: threads that slept wake up and find their caches cold, which a
+concurrent requests, preferring fewer threads on ties served 150 tokens/s where 2 threads served 194). Now and then :attr:`ThreadPolicy.probe_steps` steps of a size class try a neighbouring count, so
+the choice follows the machine as the load on it changes; the wait between probes keeps their cost
+within :attr:`ThreadPolicy.probe_budget` of the class's time (at most
+:attr:`ThreadPolicy.max_probe_interval_s`). The first step after the count changes is not measured
+once the count has a sample: threads that slept wake up and find their caches cold, which a
 single-step probe would charge to the larger count.
 
 Kernels give the same bits on any thread count (tests/workers/kernels), so the choice changes only
@@ -50,16 +50,22 @@ class ThreadPolicy:
     """Chooses the thread count of each step from measured step times (see the module docstring).
 
     max_threads: the most threads a step may run on (the engine's ``num_threads``).
-    probe_interval_s: seconds of a size class's steps between probes of another count, when that
-        count was last measured no slower than the best (an ``r`` times slower one: ``r`` times rarer).
+    probe_interval_s: shortest wait (seconds of wall time) between two probes of one size class; a
+        probe tries a neighbour of the best count (the next larger first, then the next smaller).
     probe_steps: steps of one probe (the first is not measured, see the module docstring).
+    probe_budget: the fraction of a size class's time that probing a slower count may cost: the wait
+        before the next probe is at least what the last one cost over this (so a slow count on long
+        steps is probed rarely), at most ``max_probe_interval_s`` (so a count that was slow under
+        contention is found again within seconds once the machine is quiet).
     alpha: weight of the newest step time in each moving average.
     margin: more threads are kept unless fewer are at least this fraction faster.
     """
 
     max_threads: int
     probe_interval_s: float = 1.0
-    probe_steps: int = 3
+    probe_steps: int = 2
+    probe_budget: float = 0.02
+    max_probe_interval_s: float = 10.0
     alpha: float = 0.25
     margin: float = 0.15
     _step_s: dict[tuple[int, int], float] = field(default_factory=dict)
@@ -101,12 +107,14 @@ class ThreadPolicy:
         best = self.best(rows)
         if now < self._next_probe.setdefault(c, now + self.probe_interval_s) or len(self.counts) == 1:
             return best
-        others = [t for t in self.counts if t != best]
+        i = self.counts.index(best)  # probe the neighbours of the best count, the larger first
+        others = [self.counts[j] for j in (i + 1, i - 1) if 0 <= j < len(self.counts)]
         turn = self._probe_turn.get(c, 0) % len(others)
         self._probe_turn[c] = turn + 1
         probe = others[turn]
-        slowdown = self._step_s[c, probe] / self._step_s[c, best]
-        self._next_probe[c] = now + self.probe_interval_s * max(1.0, slowdown)
+        extra_s = self.probe_steps * max(self._step_s[c, probe] - self._step_s[c, best], 0.0)
+        wait_s = min(max(self.probe_interval_s, extra_s / self.probe_budget), self.max_probe_interval_s)
+        self._next_probe[c] = now + wait_s
         if self.probe_steps > 1:
             self._probing[c] = (probe, self.probe_steps - 1)
         return probe
@@ -115,10 +123,12 @@ class ThreadPolicy:
         """Record that a step of ``rows`` rows on ``threads`` threads took ``step_s`` seconds (not
         counted when the previous step ran on another count)."""
         switched, self._last = threads != self._last, threads
-        if switched or threads not in self.counts or not math.isfinite(step_s) or step_s <= 0:
+        if threads not in self.counts or not math.isfinite(step_s) or step_s <= 0:
             return
         key = (size_class(rows), threads)
         old = self._step_s.get(key)
+        if switched and old is not None:  # a cold step; the first sample of a count is taken anyway,
+            return  # or a class that always follows another count's steps would never be measured
         self._step_s[key] = step_s if old is None else (1 - self.alpha) * old + self.alpha * step_s
 
     def stats(self) -> dict[str, dict[int, float]]:

@@ -52,8 +52,9 @@ class PodShutdown:
         return [{"name": DRAIN_ENV, "value": str(self.drain_s)}]
 
     def lifecycle(self) -> dict:
-        """The Ray containers' ``lifecycle`` (the ``sleep`` action: Kubernetes >= 1.30)."""
-        return {"preStop": {"sleep": {"seconds": PRESTOP_S}}}
+        """The Ray containers' ``lifecycle``: ``sleep`` run by an exec hook (the ``sleep`` action needs
+        Kubernetes >= 1.30; older API servers reject a preStop without a handler they know)."""
+        return {"preStop": {"exec": {"command": ["sleep", str(PRESTOP_S)]}}}
 
     def upgrade(self) -> dict:
         """The RayService ``spec`` fields of a zero-downtime upgrade."""

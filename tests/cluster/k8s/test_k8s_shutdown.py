@@ -38,7 +38,7 @@ def check_no_stream_is_cut(service: dict, drain_timeout_s: float) -> int:
         (container,) = pod["containers"]
         env = {e["name"]: e.get("value") for e in container["env"]}
         assert float(env[DRAIN_ENV]) == drain
-        assert container["lifecycle"] == {"preStop": {"sleep": {"seconds": PRESTOP_S}}}
+        assert container["lifecycle"] == {"preStop": {"exec": {"command": ["sleep", str(PRESTOP_S)]}}}
         grace = pod["terminationGracePeriodSeconds"]
         assert isinstance(grace, int) and grace > PRESTOP_S + drain  # SIGKILL only after the drain ended
     return drain
