@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -45,17 +44,7 @@ from served_vs_engine import served_run, start_server, stop_server
 
 from cluster.config import load_config
 from cluster.evaluation.prompts import PromptRow
-
-
-def cpu_model() -> str:
-    """``/proc/cpuinfo``'s model name, or the platform's processor string."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+from workers.kernels.build import cpu_model
 
 
 def serving_processes(root_pid: int) -> list[dict]:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import platform
 import re
 from collections import Counter, defaultdict
-from pathlib import Path
 
 PATH_AXES = ("isa", "kernel", "prefill_dtype")
 """Fixture / parameter names whose value is a compute path."""
@@ -31,17 +30,6 @@ MACHINE_SKIP = re.compile(r"needs (a GPU|a CPU|AVX|AMX)|this CPU (lacks|cannot)|
 _runs: dict[tuple[str, str], Counter] = defaultdict(Counter)
 _skips: dict[tuple[str, str], Counter] = defaultdict(Counter)
 _machine_skips: Counter = Counter()
-
-
-def cpu_model() -> str:
-    """The CPU's model name (``/proc/cpuinfo``), or :func:`platform.processor` where that cannot be read."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def describe_machine() -> list[str]:
@@ -60,7 +48,7 @@ def describe_machine() -> list[str]:
     except Exception:  # noqa: BLE001 - a header must never fail the run
         gpus = 0
     return [
-        f"cpu: {cpu_model()} ({platform.machine()}), instruction sets: {' '.join(have) or 'none of interest'}",
+        f"cpu: {build.cpu_model()} ({platform.machine()}), instruction sets: {' '.join(have) or 'none of interest'}",
         f"compute paths this machine runs: kernel builds (RDSERVE_CPU_ISA) {', '.join(isas) or 'none'}; "
         f"int8 kernels {', '.join(int8) or 'none'}; prompt rows float32, bfloat16 "
         f"({'AMX tiles' if amx_bf16_available() else 'oneDNN without AMX'}); GPUs {gpus}",

@@ -102,6 +102,17 @@ def _compiler() -> list[str]:
     return [path, *cc[1:]]
 
 
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), or :func:`platform.processor` where that cannot be read."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def _cpu_flags() -> str:
     """The host's instruction-set flags (``-march=native`` depends on them)."""
     try:
