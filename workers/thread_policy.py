@@ -11,8 +11,8 @@ and gains little, while a second spinning thread takes the core the HTTP ingress
 So the number is measured, not configured: per size class of step (rows in the step, in powers of
 two), a moving average of the step time on each candidate thread count; a step runs on the count
 with the lowest average, more threads winning ties within :attr:`ThreadPolicy.margin` (a step's
-time does not show what its threads cost the rest of the process: measured over HTTP at 16
-concurrent requests, preferring fewer threads on ties served 150 tokens/s where 2 threads served 194). Now and then :attr:`ThreadPolicy.probe_steps` steps of a size class try a neighbouring count, so
+time does not show what its threads cost the rest of the process, and over HTTP preferring fewer
+threads on ties served less at high concurrency; BENCHMARKS.md "Sharing the CPU"). Now and then :attr:`ThreadPolicy.probe_steps` steps of a size class try a neighbouring count, so
 the choice follows the machine as the load on it changes; the wait between probes keeps their cost
 within :attr:`ThreadPolicy.probe_budget` of the class's time (at most
 :attr:`ThreadPolicy.max_probe_interval_s`). The first step after the count changes is not measured
