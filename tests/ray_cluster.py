@@ -120,3 +120,21 @@ def start_head(num_cpus: int = 4, num_gpus: int = 0, env: dict | None = None, ti
     tail = log.read_text(errors="replace")[-3000:]
     head.stop()
     raise RuntimeError(f"Ray head did not start within {timeout_s:.0f} s:\n{tail}")
+
+
+def stop_process_group(proc) -> None:
+    """SIGINT to the process group of ``proc`` (``rdserve up`` started with ``start_new_session``), then
+    SIGKILL if it has not exited within 90 s."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def read_all(f) -> str:
+    """Everything written so far to the temporary file ``f``."""
+    f.seek(0)
+    return f.read()

@@ -8,7 +8,6 @@ from __future__ import annotations
 import ipaddress
 import os
 import re
-import signal
 import socket
 import subprocess
 import sys
@@ -19,6 +18,7 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
+from ray_cluster import read_all, stop_process_group
 
 from cluster.config import parse_config
 from cluster.local_ray import (LOCAL_RAY_ENV, listening, loopback_only, port_in_use, port_state,
@@ -117,19 +117,7 @@ def _up(config: Path, temp_dir: Path) -> tuple[subprocess.Popen, tempfile.Tempor
     return proc, out
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(timeout=90)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-
-
-def _read(f) -> str:
-    f.seek(0)
-    return f.read()
+_stop, _read = stop_process_group, read_all
 
 
 def _listeners(proc: subprocess.Popen, temp_dir: Path) -> list[tuple[str, str, int]]:

@@ -4,7 +4,6 @@ Also: a metrics port in use is a config error naming the field, and the commands
 
 import os
 import re
-import signal
 import socket
 import subprocess
 import sys
@@ -14,6 +13,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from ray_cluster import read_all, stop_process_group
 from typer.testing import CliRunner
 
 from cluster.cli import app
@@ -85,14 +85,7 @@ def test_up_prints_the_metrics_url_which_serves_rdserve_series(tiny_config_path)
         # GET /metrics on the API port proxies the same agent
         assert "ray_rdserve_generation_tokens_total" in httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
     finally:
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(timeout=90)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop_process_group(proc)
 
 
-def _read(f) -> str:
-    f.seek(0)
-    return f.read()
+_read = read_all
