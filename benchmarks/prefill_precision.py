@@ -39,7 +39,7 @@ from tqdm import tqdm
 from cluster.config import load_config
 from cluster.local_engine import build_engine
 from workers.forward_batch import contiguous_batch
-from workers.sampling import SamplingParams
+from workers.sampling_params import SamplingParams
 
 
 def load_rows(path: str, n: int) -> list[dict]:

@@ -42,7 +42,7 @@ from cluster.evaluation.loadgen import LoadSpec, run_load
 from cluster.evaluation.prompts import PromptRow
 from cluster.local_engine import build_engine
 from workers.engine import Engine
-from workers.sampling import SamplingParams
+from workers.sampling_params import SamplingParams
 
 TTFT_PROMPT = [{"role": "user", "content": "Hi! What is your name?"}]
 

@@ -39,7 +39,7 @@ from workers import model_runner
 from workers.kernels import decode_attention, packed_linear, quant_linear
 from workers.models import llama
 from workers.models.tokenizer import apply_chat_template
-from workers.sampling import SamplingParams
+from workers.sampling_params import SamplingParams
 from workers.training.prompt_sources import first_per_category
 
 OWNERS = {"drafting (ReDrafter beams)", "LM head", "prompt lookup"}  # own everything they call

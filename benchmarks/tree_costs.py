@@ -29,7 +29,7 @@ from bench_report import write_report
 from cluster.config import load_config
 from cluster.local_engine import build_engine
 from workers.spec_schedule import fixed_schedule
-from workers.sampling import SamplingParams
+from workers.sampling_params import SamplingParams
 
 
 def main() -> None:

@@ -252,7 +252,7 @@ def generate(
     else:
         items = [("--prompt", {"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt})]
     from cluster.local_engine import build_engine
-    from workers.sampling import SamplingParams
+    from workers.sampling_params import SamplingParams
 
     try:
         engine = build_engine(_with_model_dir(cfg))

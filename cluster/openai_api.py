@@ -46,7 +46,7 @@ from cluster.goodput import StepCosts
 from cluster.observability.http import add_metrics_routes, failure_counter
 from cluster.limits import RETRY_AFTER_MIN_S, Interrupted, RequestGuard
 from cluster.pools import PoolLoad, TrackedStream
-from cluster.replica import EngineRequest, Failed, Started
+from cluster.messages import EngineRequest, Failed, Started
 from cluster.responses import ChatFormat, CompletionFormat, sse, stats_of, usage_of
 from cluster.serve_state import replica_counts
 

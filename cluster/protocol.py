@@ -25,7 +25,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, create_model, field_validator
 
-from workers.sampling import SamplingParams
+from workers.sampling_params import SamplingParams
 
 DEFAULT_MAX_TOKENS = 1024
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -356,7 +356,7 @@ class Usage(BaseModel):
 
 
 class RdserveStats(BaseModel):
-    """How the request was decoded; counters as in ``workers.engine.GenerationDelta``.
+    """How the request was decoded; counters as in ``workers.outputs.GenerationDelta``.
 
     tokens_per_step: mean (accepted draft tokens + 1) per generation step (1.0 for plain decoding).
     replica: the Ray Serve id of the engine replica that served the request.

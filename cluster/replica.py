@@ -13,7 +13,7 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from jinja2.exceptions import TemplateError, TemplateSyntaxError
 from ray import serve
@@ -21,55 +21,17 @@ from ray.serve.exceptions import RayServeException
 
 from cluster.config import RdserveConfig
 from cluster.local_engine import build_engine
+from cluster.messages import EngineRequest, Failed, Started
 from cluster.observability.recorder import ReplicaMetrics
 from cluster.placement import placement_gpu_ids, uses_gpu_placement
 from cluster.protocol import RequestError, check_prompt_chars, fit_kv_cache, resolve_max_tokens
 from cluster.replica_stats import TtftWindow, engine_stats
 from cluster.router import choose_mode, router_for_kernel
 from workers.async_engine import AsyncEngine, EngineFailure
-from workers.engine import GenerationDelta
-from workers.sampling import SamplingParams
+from workers.outputs import GenerationDelta
 from workers.spec_schedule import largest_speculating_batch, schedule_text
 
 log = logging.getLogger("ray.serve")
-
-
-@dataclass(frozen=True)
-class EngineRequest:
-    """A generation request as a replica sees it, free of HTTP/OpenAI details.
-
-    Exactly one of ``prompt`` (raw text) and ``messages`` (rendered with the chat template) is set.
-    ``max_tokens`` None means the default budget (see ``cluster.protocol.resolve_max_tokens``); the
-    resolved budget replaces ``sampling.max_tokens``. ``max_tokens_field`` names the request field in
-    error messages. ``mode``: the requested mode (``rdserve.mode``) or None.
-    """
-
-    prompt: str | None
-    messages: list[dict] | None
-    sampling: SamplingParams
-    max_tokens: int | None
-    max_tokens_field: str
-    mode: str | None
-
-
-@dataclass(frozen=True)
-class Started:
-    """First stream item of an accepted request (sent with its first token, right before it): prompt
-    size, the router's decision, and the Serve id of the replica that serves it."""
-
-    prompt_tokens: int
-    mode: str
-    reason: str
-    replica: str
-
-
-@dataclass(frozen=True)
-class Failed:
-    """Last stream item of a failed request; ``status`` 400 (bad request) or 500 (engine error)."""
-
-    status: int
-    message: str
-    param: str | None = None
 
 
 def serve_replica_id() -> str:

@@ -21,7 +21,7 @@ import time
 from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, RequestRouter, RunningReplica
 
 from cluster.protocol import DEFAULT_MAX_TOKENS
-from cluster.replica import EngineRequest
+from cluster.messages import EngineRequest
 from cluster.replica_ranking import TIE_TOLERANCE, SentSinceStats, rank_replicas
 
 CHARS_PER_TOKEN = 3

@@ -26,7 +26,7 @@ from cluster.protocol import (
     RdserveStats,
     Usage,
 )
-from cluster.replica import Started
+from cluster.messages import Started
 
 
 def usage_of(last) -> Usage:

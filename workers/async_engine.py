@@ -29,8 +29,9 @@ import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 
-from workers.engine import Engine, GenerationDelta
-from workers.sampling import SamplingParams
+from workers.engine import Engine
+from workers.outputs import GenerationDelta
+from workers.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 

@@ -26,6 +26,7 @@ from workers.block_manager import BlockManager, KVCacheSize, kv_bytes_per_token,
 from workers.engine_metrics import EngineStats, EngineStatsDelta
 from workers.executor import LocalExecutor
 from workers.model_runner import ModelRunner, RequestState
+from workers.outputs import GenerationDelta
 from workers.kernels.prefill_bf16 import resolve_prefill_dtype
 from workers.models.gguf_weights import resolve_weights, use_bf16_prefill, use_gguf_weights, use_int8_activations
 from workers.models.loader import load_model
@@ -33,7 +34,7 @@ from workers.models.tokenizer import apply_chat_template, load_tokenizer
 from workers.redrafter.beam_search import DRAFT_SEARCHES
 from workers.redrafter.drafter import load_drafter
 from workers.redrafter.prompt_lookup import PromptLookup
-from workers.sampling import SamplingParams
+from workers.sampling_params import SamplingParams
 from workers.scheduler import Scheduler, SchedulerConfig
 from workers.sequence import Sequence
 from workers.spec_schedule import TablePolicy, fixed_schedule, validate_schedule
@@ -44,31 +45,6 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 MODES = ("spec", "plain")
 DECODE_ACTIVATIONS = ("auto", "float32", "int8")
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class GenerationDelta:
-    """What one iteration added to a request's output.
-
-    Counters are cumulative. ``num_steps`` counts generation-phase steps (forward passes after the
-    context phase); ``accepted_draft_tokens`` counts drafted tokens the base model accepted and the
-    request emitted.
-    """
-
-    text: str
-    token_ids: list[int]
-    finished: bool
-    finish_reason: str | None
-    prompt_tokens: int
-    completion_tokens: int
-    num_steps: int
-    accepted_draft_tokens: int
-    request_id: str = ""
-
-    @property
-    def tokens_per_step(self) -> float:
-        """Mean (accepted draft tokens + 1) per generation step; 1.0 for plain decoding."""
-        return (self.accepted_draft_tokens + self.num_steps) / self.num_steps if self.num_steps else 0.0
 
 
 @dataclass

@@ -1,31 +1,10 @@
-"""Sampling parameters and the base model's adjusted next-token distribution."""
+"""The base model's adjusted next-token distribution for a request's sampling parameters."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """Per-request decoding parameters (OpenAI names).
-
-    temperature 0 means greedy (argmax). top_k 0 means no top-k filter. ``stop`` holds stop strings;
-    generation also stops at the model's EOS token ids unless ``ignore_eos``.
-    """
-
-    max_tokens: int = 256
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop: tuple[str, ...] = field(default_factory=tuple)
-    ignore_eos: bool = False
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
+from workers.sampling_params import SamplingParams
 
 
 def adjusted_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
 
-from workers.sampling import SamplingParams
+from workers.sampling_params import SamplingParams
 
 REPLACEMENT_CHAR = "\ufffd"
 

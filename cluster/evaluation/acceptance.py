@@ -72,7 +72,7 @@ def acceptance_figures(steps: Sequence[StepDraft], num_generation_steps: int, nu
 
 def measure_engine(engine, prompts: Sequence[PromptRow], max_tokens: int) -> dict:
     """Greedy speculative decoding of every prompt; ``{category: figures}`` plus ``"all"``."""
-    from workers.sampling import SamplingParams
+    from workers.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     per_category: dict[str, tuple[list[StepDraft], int]] = {}

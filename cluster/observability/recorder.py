@@ -17,7 +17,7 @@ import time
 from ray.serve import metrics as serve_metrics
 
 from cluster.observability.metrics import METRICS, PREFIX, MetricDef, known_label_values, reason_label
-from workers.engine import GenerationDelta
+from workers.outputs import GenerationDelta
 from workers.engine_metrics import EngineStats, EngineStatsDelta
 
 log = logging.getLogger("ray.serve")

@@ -262,7 +262,7 @@ class StubClient:
 
 
 def final_delta(text: str = "hi"):
-    from workers.engine import GenerationDelta
+    from workers.outputs import GenerationDelta
 
     return GenerationDelta(text=text, token_ids=[1], finished=True, finish_reason="stop", prompt_tokens=3,
                            completion_tokens=1, num_steps=1, accepted_draft_tokens=0)
@@ -293,7 +293,7 @@ async def answer(ingress, stream: bool) -> tuple[int, list]:
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_request_whose_final_item_is_in_hand_is_not_timed_out_by_its_stream_end(stream):
     """The final item arrives at once, the stream's end 0.1 s later, past the 0.05 s deadline."""
-    from cluster.replica import Started
+    from cluster.messages import Started
 
     client = StubClient(EndsLate([Started(3, "plain", "requested plain", "local"), final_delta()], 0.1))
     status, body = asyncio.run(answer(stub_ingress(client, timeout_s=0.05), stream))
@@ -309,7 +309,7 @@ def test_a_request_whose_final_item_is_in_hand_is_not_timed_out_by_its_stream_en
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_stream_that_does_not_end_after_its_final_item_is_cancelled(stream, monkeypatch):
     from cluster import openai_api
-    from cluster.replica import Failed, Started
+    from cluster.messages import Failed, Started
 
     monkeypatch.setattr(openai_api, "STREAM_END_GRACE_S", 0.05)
     client = StubClient(EndsLate([Started(3, "plain", "requested plain", "local"), final_delta()], None))
@@ -320,7 +320,7 @@ def test_a_stream_that_does_not_end_after_its_final_item_is_cancelled(stream, mo
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_an_engine_error_is_not_followed_by_a_timeout(stream):
-    from cluster.replica import Failed, Started
+    from cluster.messages import Failed, Started
 
     client = StubClient(EndsLate([Started(3, "plain", "requested plain", "local"), Failed(500, "boom")], 0.1))
     status, body = asyncio.run(answer(stub_ingress(client, timeout_s=0.05), stream))

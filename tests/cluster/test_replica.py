@@ -10,8 +10,9 @@ import time
 
 import pytest
 
-from cluster.replica import EngineReplica, EngineRequest, Failed, Started
-from workers.sampling import SamplingParams
+from cluster.messages import EngineRequest, Failed, Started
+from cluster.replica import EngineReplica
+from workers.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")

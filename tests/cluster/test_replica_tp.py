@@ -13,16 +13,18 @@ import subprocess
 import sys
 from pathlib import Path
 
-from cluster.replica import EngineReplica, EngineRequest
-from workers.sampling import SamplingParams
+from cluster.messages import EngineRequest
+from cluster.replica import EngineReplica
+from workers.sampling_params import SamplingParams
 
 REPO = Path(__file__).resolve().parents[2]
 
 SCENARIO = """
 import asyncio, json, os, sys
 from cluster.config import load_config
-from cluster.replica import EngineReplica, EngineRequest, Failed
-from workers.sampling import SamplingParams
+from cluster.messages import EngineRequest, Failed
+from cluster.replica import EngineReplica
+from workers.sampling_params import SamplingParams
 
 replica = EngineReplica.func_or_class(load_config(sys.argv[1]))
 

@@ -12,9 +12,9 @@ from ray.serve.request_router import PendingRequest, ReplicaID
 
 from cluster.app import deploy, request_router_options
 from cluster.protocol import DEFAULT_MAX_TOKENS
-from cluster.replica import EngineRequest
+from cluster.messages import EngineRequest
 from cluster.request_router import GoodputRequestRouter, request_size
-from workers.sampling import SamplingParams
+from workers.sampling_params import SamplingParams
 
 MODEL_NAME = "tiny-llama"
 DEPLOYMENT = DeploymentID(name="EngineReplica", app_name="fake")

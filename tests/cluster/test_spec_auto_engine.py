@@ -11,7 +11,7 @@ import pytest
 from cluster.goodput import StepCosts
 from cluster.spec_controller import ControllerSettings, SpecController
 from workers.engine import Engine
-from workers.sampling import SamplingParams
+from workers.sampling_params import SamplingParams
 
 # A tree pays at small batches only (plain 10 ms -> 40 ms from batch 1 to 8; a 2x3 tree 12 -> 90 ms).
 COSTS = StepCosts(plain_s={1: 0.010, 2: 0.012, 4: 0.020, 8: 0.040},

@@ -17,7 +17,7 @@ SCRIPT = textwrap.dedent("""
     import torch
     from workers.async_engine import AsyncEngine
     from workers.engine import Engine
-    from workers.sampling import SamplingParams
+    from workers.sampling_params import SamplingParams
 
     built_on = []
     def build():
@@ -66,7 +66,7 @@ def test_a_call_cancelled_while_queued_leaves_the_engine_thread_running(tiny_mod
 
     from workers.async_engine import AsyncEngine
     from workers.engine import Engine
-    from workers.sampling import SamplingParams
+    from workers.sampling_params import SamplingParams
 
     engine = AsyncEngine(lambda: Engine(str(tiny_model_dirs["tied_gqa2"]), None, num_threads=1, max_seq_len=64,
                                         num_kv_blocks=64, tokens_per_block=4))
@@ -97,7 +97,7 @@ def test_a_dead_engine_thread_fails_requests_in_flight_and_later_ones_at_once(ti
 
     from workers.async_engine import AsyncEngine, EngineFailure
     from workers.engine import Engine
-    from workers.sampling import SamplingParams
+    from workers.sampling_params import SamplingParams
 
     engine = AsyncEngine(lambda: Engine(str(tiny_model_dirs["tied_gqa2"]), None, num_threads=1, max_seq_len=256,
                                         num_kv_blocks=64, tokens_per_block=4))
@@ -135,7 +135,7 @@ def test_step_time_stat_leaves_prefill_iterations_out(tiny_model_dirs, monkeypat
 
     from workers.async_engine import AsyncEngine
     from workers.engine import Engine
-    from workers.sampling import SamplingParams
+    from workers.sampling_params import SamplingParams
 
     engine = AsyncEngine(lambda: Engine(str(tiny_model_dirs["tied_gqa2"]), None, num_threads=1, max_seq_len=256,
                                         num_kv_blocks=64, tokens_per_block=4))
@@ -167,7 +167,7 @@ def test_a_failing_iteration_leaves_its_finished_requests_to_the_failure_handlin
 
     from workers.async_engine import AsyncEngine, EngineFailure
     from workers.engine import Engine
-    from workers.sampling import SamplingParams
+    from workers.sampling_params import SamplingParams
     from workers.stopping import OutputStream
 
     append, a_done = OutputStream.append, []

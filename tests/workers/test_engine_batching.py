@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from workers.engine import Engine
-from workers.sampling import SamplingParams
+from workers.sampling_params import SamplingParams
 
 
 def make_engine(tiny_model_dirs, trained_drafter_dirs, variant="tied_gqa2", **options) -> Engine:

@@ -10,7 +10,7 @@ import random
 
 from workers.engine import Engine
 from workers.engine_metrics import EngineStats
-from workers.sampling import SamplingParams
+from workers.sampling_params import SamplingParams
 
 
 def make_engine(tiny_model_dirs, trained_drafter_dirs, **options) -> Engine:

@@ -14,7 +14,7 @@ import torch
 from workers import model_runner
 from workers.engine import Engine
 from workers.kernels import build
-from workers.sampling import SamplingParams
+from workers.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.skipif(not build.available(), reason="needs rdserve's CPU kernels (a C compiler, AVX2)")
 

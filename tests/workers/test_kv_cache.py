@@ -13,7 +13,7 @@ import torch
 from workers.engine import Engine
 from workers.forward_batch import AttentionGroup
 from workers.kv_cache import KVCache
-from workers.sampling import SamplingParams
+from workers.sampling_params import SamplingParams
 
 
 def test_copy_slots_moves_entries_in_every_layer():

@@ -15,10 +15,11 @@ from functools import lru_cache
 import pytest
 
 from tiny_gguf import weights_variant
-from workers.engine import Engine, GenerationDelta
+from workers.engine import Engine
+from workers.outputs import GenerationDelta
 from workers.kernels import build
 from workers.redrafter.drafter import DrafterConfig, ReDrafter
-from workers.sampling import SamplingParams
+from workers.sampling_params import SamplingParams
 
 VARIANTS = ("tied_gqa2", "untied_mqa")
 

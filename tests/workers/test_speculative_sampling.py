@@ -16,7 +16,7 @@ from scipy.stats import chi2_contingency
 
 from tiny_gguf import weights_variant
 from workers.engine import Engine
-from workers.sampling import SamplingParams
+from workers.sampling_params import SamplingParams
 
 RUNS = 1200
 MAX_TOKENS = 4

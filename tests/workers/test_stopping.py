@@ -12,7 +12,7 @@ import random
 import pytest
 from tiny_tokenizer import make_tiny_tokenizer
 
-from workers.sampling import SamplingParams
+from workers.sampling_params import SamplingParams
 from workers.stopping import REPLACEMENT_CHAR, OutputStream, TokenDelta
 
 STEP_SIZES = range(1, 7)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from workers.engine import Engine
-from workers.sampling import SamplingParams
+from workers.sampling_params import SamplingParams
 from workers.thread_policy import ThreadPolicy, candidate_counts, size_class
 
 

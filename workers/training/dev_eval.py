@@ -19,7 +19,7 @@ import torch
 from tqdm import tqdm
 
 from workers.redrafter.drafter import ReDrafter
-from workers.sampling import SamplingParams
+from workers.sampling_params import SamplingParams
 from workers.training.train import TrainExamples, drafter_loss
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from workers.engine import Engine
-from workers.sampling import SamplingParams
+from workers.sampling_params import SamplingParams
 
 
 @torch.inference_mode()

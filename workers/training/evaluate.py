@@ -7,7 +7,7 @@ from collections import defaultdict
 from tqdm import tqdm
 
 from workers.engine import Engine
-from workers.sampling import SamplingParams
+from workers.sampling_params import SamplingParams
 
 
 def tokens_per_step_by_category(engine: Engine, prompts: list[dict], max_tokens: int) -> dict:

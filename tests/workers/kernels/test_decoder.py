@@ -15,7 +15,7 @@ from workers.engine import Engine
 from workers.kernels import build
 from workers.kernels.decoder import silu_mul
 from workers.models import llama
-from workers.sampling import SamplingParams
+from workers.sampling_params import SamplingParams
 
 
 @pytest.mark.parametrize("rows,inter", [(1, 8), (3, 64), (5, 1536), (2, 13), (4, 100)])

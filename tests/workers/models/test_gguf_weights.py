@@ -21,7 +21,7 @@ from workers.models.gguf_file import GGUFFile
 from workers.models.gguf_weights import find_gguf_for, resolve_weights, use_gguf_weights
 from workers.models.loader import load_model
 from workers.models.pull import default_model_dir, is_complete
-from workers.sampling import SamplingParams
+from workers.sampling_params import SamplingParams
 
 needs_kernel = pytest.mark.skipif(not build.available(), reason="CPU kernels unavailable here")
 

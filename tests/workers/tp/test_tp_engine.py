@@ -13,7 +13,7 @@ import pytest
 from tiny_model import make_trained_tiny_drafter_dir
 from tp_models import make_tp_model_dir
 from workers.engine import Engine
-from workers.sampling import SamplingParams
+from workers.sampling_params import SamplingParams
 from workers.tp.executor import tp_executor_factory
 
 OPTIONS = dict(num_beams=2, draft_len_per_beam=3, max_seq_len=128, max_batch_size=6, max_num_tokens=48,

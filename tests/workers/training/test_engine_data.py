@@ -10,7 +10,7 @@ import torch
 
 from workers.engine import Engine
 from workers.models.loader import load_model
-from workers.sampling import SamplingParams
+from workers.sampling_params import SamplingParams
 from workers.training.distill_data import generate_batch, generate_dataset
 from workers.training.engine_data import generate_batch_engine
 from workers.training.train import load_examples
