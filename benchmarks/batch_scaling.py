@@ -29,7 +29,7 @@ from cluster.config import load_config
 from cluster.local_engine import build_engine
 from workers.engine import Engine
 from workers.sampling_params import SamplingParams
-from workers.spec_schedule import fixed_schedule
+from workers.speculation.schedule import fixed_schedule
 from workers.training.prompt_sources import build_prompts, require_datasets
 
 

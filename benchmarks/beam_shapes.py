@@ -20,7 +20,7 @@ from bench_prompts import DATASETS
 from cluster.config import load_config
 from cluster.local_engine import build_engine
 from workers.sampling_params import SamplingParams
-from workers.spec_schedule import fixed_schedule
+from workers.speculation.schedule import fixed_schedule
 from workers.training.prompt_sources import build_prompts, first_per_category, require_datasets
 
 

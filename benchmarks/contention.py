@@ -142,7 +142,7 @@ def main() -> None:
     results: dict = {"cpu": cpu_model(), "config": args.config, "env": env, "max_tokens": args.max_tokens, "cases": {}}
     try:
         health = httpx.get(f"{base_url}/health", timeout=10).json()
-        results["kernel"] = health.get("kernel")
+        results["kernel"] = health.get("compute_path")
         results["serving_processes"] = serving_processes(proc.pid)
         batch1 = rows[: args.num_requests]
         served_run(base_url, model, rows[:2], 2, 1, "plain", 16)  # warm-up

@@ -47,7 +47,7 @@ def main() -> None:
         for dtype in (torch.float32, torch.bfloat16):
             weights = [torch.randn(o, i, dtype=dtype) for o, i in SHAPES for _ in range(LAYERS)]
             head = torch.randn(VOCAB, HIDDEN, dtype=dtype)
-            if dtype == torch.float32:  # workers/models/loader.py: use_input_major_weights
+            if dtype == torch.float32:  # workers/kernels/packed_linear.py: use_input_major_weights
                 weights = [w.t().contiguous().t() for w in weights]
                 head = head.t().contiguous().t()
             for m in (int(r) for r in args.rows.split(",")):

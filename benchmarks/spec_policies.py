@@ -8,7 +8,7 @@ concurrency level, policies interleaved level by level so machine drift hits the
 - ``plain``: no request drafts;
 - ``table``: the schedule ``rdserve calibrate`` derived into ``--calibration`` (``spec_schedule``) with
   the matching ``router.spec_max_load`` (the fixed policy of ``configs/local.yaml``);
-- ``auto``: ``engine.spec_schedule: auto`` (the goodput model, ``cluster.goodput``) with
+- ``auto``: ``engine.spec_schedule: auto`` (the goodput model, ``workers.speculation.goodput``) with
   ``--calibration``.
 
 Prompts: a mix of ``broad/dev.jsonl``, GSM8K and HumanEval (``--mix broad``), or summarization rows
@@ -54,7 +54,7 @@ def policy_config(cfg, policy: str, calibration: Path):
         router = router.model_copy(update={"default_mode": "auto"})
     elif policy == "table":  # the table rdserve calibrate derived from the same measurements
         from cluster.calibrate_cli import spec_max_load
-        from workers.spec_schedule import validate_schedule
+        from workers.speculation.schedule import validate_schedule
 
         rows = json.loads(calibration.read_text())["spec_schedule"]
         eng = eng.model_copy(update={"spec_schedule": validate_schedule(rows)})

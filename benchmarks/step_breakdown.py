@@ -173,11 +173,11 @@ def main() -> None:
         for k, v in parts.items():
             lines.append(f"| {k} | {v:.2f} | {v / (wall / steps * 1e3):.0%} | {timer.calls[k] / steps:.0f} |")
         tables.append("\n".join(lines))
-    header = (f"{'layer by layer (Python)' if args.unfused else 'fused decoder (one C call)'}; kernel {engine.kernel}, threads {torch.get_num_threads()}, {len(ids)} prompts, max_tokens "
+    header = (f"{'layer by layer (Python)' if args.unfused else 'fused decoder (one C call)'}; kernel {engine.compute_path}, threads {torch.get_num_threads()}, {len(ids)} prompts, max_tokens "
               f"{args.max_tokens}, spec shape {shape[0]}x{shape[1]}, prompt lookup {e.prompt_lookup_num_tokens}")
     table = header + "\n\n" + "\n\n".join(tables)
     print(table)
-    write_report(args.out, table, {"config": args.config, "kernel": engine.kernel, "threads": torch.get_num_threads(),
+    write_report(args.out, table, {"config": args.config, "kernel": engine.compute_path, "threads": torch.get_num_threads(),
                                    "fused_decoder": not args.unfused, "prompts": len(ids), "max_tokens": args.max_tokens, "shape": list(shape),
                                    "modes": results})
 

@@ -28,7 +28,7 @@ from bench_report import write_report
 
 from cluster.config import load_config
 from cluster.local_engine import build_engine
-from workers.spec_schedule import fixed_schedule
+from workers.speculation.schedule import fixed_schedule
 from workers.sampling_params import SamplingParams
 
 
@@ -109,7 +109,7 @@ def main() -> None:
     med = {name: {p: statistics.median(x[p] for x in rs) for p in rs[0]} for name, rs in rounds.items()}
     plain = med["plain"]["step"]
     threads = torch.get_num_threads()
-    lines = [f"kernel {engine.kernel}, threads {threads}, "
+    lines = [f"kernel {engine.compute_path}, threads {threads}, "
              f"prompt {len(ids)} tokens, max_tokens {args.max_tokens}, median of {args.rounds} interleaved rounds",
              "", "| rows verified | step ms | vs plain | forward ms | LM head ms | drafting ms |", "|---|---|---|---|---|---|"]
     for name, *_ in configs:
@@ -124,7 +124,7 @@ def main() -> None:
         "plain_ms": plain, "tree_ms": [med[str(r)]["step"] for r in range(2, args.max_width + 1)],
         "draft_position_ms": max(0.0, med["3, 2 drafted"]["step"] - med["3"]["step"]),
         "parts_ms": med, "rounds": rounds, "prompt_tokens": len(ids), "max_tokens": args.max_tokens,
-        "kernel": engine.kernel, "num_threads": threads, "config": args.config})
+        "kernel": engine.compute_path, "num_threads": threads, "config": args.config})
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ from ray import serve
 from ray.serve import Application
 from ray.serve.config import AutoscalingPolicy, RequestRouterConfig
 
+from cluster.app_args import config_from_args
 from cluster.config import RdserveConfig
 from cluster.openai_api import INGRESS_MAX_ONGOING_REQUESTS, OpenAIIngress
 from cluster.placement import tp_placement_options
@@ -118,20 +119,19 @@ def request_router_options(cfg: RdserveConfig) -> dict:
 def pool_configs(cfg: RdserveConfig) -> dict[str, RdserveConfig]:
     """Two-pool mode (``serve.pools``, :mod:`cluster.pools`): the config of each pool's replicas.
 
-    ``spec``: the drafter, engine.num_beams x draft_len_per_beam at every batch size, every request
+    ``spec``: the drafter, speculation.num_beams x draft_len_per_beam at every batch size, every request
     drafts. ``plain``: no drafter. Each pool has its own replicas or autoscaling; a null
     ``engine.num_threads`` shares the cores among the most replicas both pools may run together.
     """
     pools = cfg.serve.pools
     most = sum(p.autoscaling.max_replicas if p.autoscaling else p.replicas for p in (pools.spec, pools.plain))
-    engine = cfg.engine.model_copy(update={"spec_schedule": None,
-                                           "num_threads": cfg.engine.num_threads or max(1, (os.cpu_count() or 1) // most)})
+    engine = cfg.engine.model_copy(update={"num_threads": cfg.engine.num_threads or max(1, (os.cpu_count() or 1) // most)})
     out = {}
     for name, pool in (("spec", pools.spec), ("plain", pools.plain)):
         serve_cfg = cfg.serve.model_copy(update={"replicas": pool.replicas, "autoscaling": pool.autoscaling, "pools": None})
         drafter = cfg.drafter if name == "spec" else cfg.drafter.model_copy(update={"path": None})
-        router = cfg.router.model_copy(update={"default_mode": name})
-        out[name] = cfg.model_copy(update={"engine": engine, "drafter": drafter, "router": router, "serve": serve_cfg})
+        spec = cfg.speculation.model_copy(update={"default_mode": name, "calibration": None})  # the ingress reads it
+        out[name] = cfg.model_copy(update={"engine": engine, "drafter": drafter, "speculation": spec, "serve": serve_cfg})
     return out
 
 
@@ -191,8 +191,8 @@ def build_app(cfg: RdserveConfig) -> Application:
         engine = _engine_deployment(cfg)
         return OpenAIIngress.options(**replacement_options(cfg)).bind(engine, cfg.model.name, serve_cfg=cfg.serve)
     pools = {name: _engine_deployment(pcfg, f"{ENGINE_NAME}{name.title()}") for name, pcfg in pool_configs(cfg).items()}
-    policy = {"calibration": str(cfg.engine.spec_calibration),
-              "shape": [cfg.engine.num_beams, cfg.engine.draft_len_per_beam]}
+    policy = {"calibration": str(cfg.speculation.calibration),
+              "shape": [cfg.speculation.num_beams, cfg.speculation.draft_len_per_beam]}
     scaling = cfg.serve.pools.spec.autoscaling or cfg.serve.pools.plain.autoscaling
     ingress_cfg = cfg.model_copy(update={"serve": cfg.serve.model_copy(update={"autoscaling": scaling})})
     return OpenAIIngress.options(**replacement_options(ingress_cfg)).bind(pools, cfg.model.name, policy, serve_cfg=cfg.serve)
@@ -202,13 +202,11 @@ def app_builder(args: dict) -> Application:
     """Application builder for Ray's declarative Serve config (``import_path: cluster.app:app_builder``:
     ``serve run``, ``serve deploy``, KubeRay ``serveConfigV2``): ``args`` is ``{"config": {...}}`` (the
     rdserve config inline) or ``{"config_path": "configs/local.yaml"}``; relative paths resolve against
-    the project root (:func:`cluster.serve_config.config_from_args`). Returns what ``rdserve up`` deploys.
+    the project root (:func:`cluster.app_args.config_from_args`). Returns what ``rdserve up`` deploys.
 
     Raises:
         ConfigError: bad ``args`` or config, naming the field.
     """
-    from cluster.serve_config import config_from_args
-
     return build_app(config_from_args(args))
 
 

@@ -2,14 +2,16 @@
 
 Measures, with the engine the config describes: seconds per generation iteration for each batch
 size, plain and for each draft-tree shape; greedy tokens per step of each shape on prompts (a JSONL
-file, or rdserve's built-in held-out prompts). :func:`workers.spec_schedule.derive_schedule` then
+file, or rdserve's built-in held-out prompts). :func:`workers.speculation.schedule.derive_schedule` then
 picks, per batch size, the shape with the highest expected tokens/s or plain decoding; the table is
-written into the config's ``engine.spec_schedule`` and the largest batch size that still speculates
-into ``router.spec_max_load`` (requests arriving above it are decoded plain). With
-``engine.spec_schedule: auto`` the figures themselves are the policy's input: they go to
-``engine.spec_calibration`` (the goodput model, :mod:`cluster.goodput`) and the config is unchanged,
-or, where the config keys calibrations by compute path (``engine.spec_calibration_by_kernel``), to
-the entry of the path measured (a new file next to the config, and a new entry with ``--write``).
+written into the config as ``speculation.policy: table`` with ``speculation.table``, and the largest
+batch size that still speculates as ``speculation.spec_max_load`` (requests arriving above it are
+decoded plain), or, where the config keys tables by compute path, as
+``speculation.by_compute_path.PATH.table``. With ``speculation.policy: auto`` the figures themselves
+are the policy's input (the goodput model, :mod:`workers.speculation.goodput`): they go to
+``speculation.calibration`` and the config is unchanged, or, where the config keys calibrations by
+compute path, to the entry of the path measured (a new file next to the config, and a new entry
+with ``--write``).
 """
 
 from __future__ import annotations
@@ -27,10 +29,10 @@ err_console = Console(stderr=True)
 
 
 def _parse_shapes(text: str) -> list[tuple[int, int]]:
-    from cluster.goodput import parse_shape
+    from workers.speculation.shape import DraftShape
 
     try:
-        return [parse_shape(part) for part in text.split(",")]
+        return DraftShape.parse_list(text)
     except ValueError as err:
         raise typer.BadParameter(str(err)) from None
 
@@ -76,42 +78,44 @@ def calibrate(
                                     "prompts' text, joined: draft trees then take the shapes real text gives them)."),
     repeats: int = typer.Option(6, min=1, help="Timed iterations per measurement (median)."),
     out: Path | None = typer.Option(None, help="Where to write every measured figure (JSON); default with "
-                                    "spec_schedule 'auto': the config's engine.spec_calibration_by_kernel entry of the "
+                                    "speculation.policy 'auto': the config's speculation.by_compute_path entry of the "
                                     "path measured (if the config has that section; a new one: CONFIG_STEM.calibration."
-                                    "KERNEL.json next to the config), else engine.spec_calibration; otherwise "
+                                    "COMPUTE_PATH.json next to the config), else speculation.calibration; otherwise "
                                     "calibration.json."),
     write: bool = typer.Option(True, "--write/--no-write", help="Write the result into the config "
-                               "(comments and the other keys are kept). spec_schedule 'auto' with "
-                               "engine.spec_calibration_by_kernel: the file's entry for the path measured, if new. "
-                               "Otherwise the derived table: into engine.spec_schedule_by_kernel under "
-                               "the kernel measured (e.g. gguf-avx2) when the config has that section, else into "
-                               "engine.spec_schedule and router.spec_max_load."),
+                               "(comments and the other keys are kept). Policy 'auto' with "
+                               "speculation.by_compute_path: the file as the entry of the path measured, if new. "
+                               "Otherwise the derived table: as speculation.by_compute_path.PATH.table for the "
+                               "compute path measured (e.g. gguf-avx2-int8) when the config has that section, else "
+                               "as speculation.policy 'table', speculation.table and speculation.spec_max_load."),
 ) -> None:
     """Measure step costs and acceptance here; derive and write the speculation schedule."""
-    from cluster.cli import _startable_config, _with_model_dir
+    from cluster.cli_common import startable_config, with_model_dir
     from cluster.local_engine import build_engine
-    from workers.calibration import measure_step_s, measure_tokens_per_step
-    from workers.spec_schedule import derive_schedule
+    from workers.speculation.calibration import measure_step_s, measure_tokens_per_step
+    from workers.speculation.schedule import derive_schedule
 
-    cfg = _startable_config(config, calibration=False)
-    auto = cfg.engine.spec_schedule == "auto"
-    by_kernel = cfg.engine.spec_schedule_by_kernel is not None
-    calibrations = cfg.engine.spec_calibration_by_kernel if auto else None  # keyed by path: entry found later
-    cfg_auto_files = (calibrations, cfg.engine.spec_calibration)
+    cfg = startable_config(config, calibration=False)
+    spec = cfg.speculation
+    auto = spec.policy == "auto"
+    by_path = spec.by_compute_path is not None
+    calibrations = {k: v.calibration for k, v in spec.by_compute_path.items() if v.calibration is not None} \
+        if auto and by_path else None  # keyed by path: the entry is found once the path is known
+    cfg_auto_files = (calibrations, spec.calibration)
     if out is None and calibrations is None:
-        out = cfg.engine.spec_calibration if auto else Path("calibration.json")
+        out = spec.calibration if auto else Path("calibration.json")
     if cfg.drafter.path is None:
         err_console.print("calibrate needs drafter.path in the config (there is nothing to schedule without it)")
         raise typer.Exit(2)
     batches, shape_list = _parse_batches(batch_sizes), _parse_shapes(shapes)
     cfg.engine = cfg.engine.model_copy(update={"max_batch_size": max(cfg.engine.max_batch_size, batches[-1]),
-                                               "spec_schedule": None,  # each measurement sets its shape
-                                               "spec_schedule_by_kernel": None, "spec_calibration_by_kernel": None,
                                                "adaptive_threads": False})  # step costs on num_threads, not a mix
-    engine = build_engine(_with_model_dir(cfg))
-    new_entry = calibrations is not None and engine.kernel not in calibrations
+    cfg.speculation = spec.model_copy(update={"policy": "fixed", "table": None, "calibration": None,
+                                              "by_compute_path": None})  # each measurement sets its shape
+    engine = build_engine(with_model_dir(cfg))
+    new_entry = calibrations is not None and engine.compute_path not in calibrations
     if out is None:
-        out = calibrations.get(engine.kernel) or config.resolve().parent / f"{config.stem}.calibration.{engine.kernel}.json"
+        out = calibrations.get(engine.compute_path) or config.resolve().parent / f"{config.stem}.calibration.{engine.compute_path}.json"
     if not out.parent.is_dir():  # before minutes of measuring, not after
         err_console.print(f"cannot write {out}: directory {out.parent} does not exist")
         raise typer.Exit(2)
@@ -141,55 +145,56 @@ def calibrate(
     table = derive_schedule(plain_s, spec_s, tps)
     _print(batches, shape_list, plain_s, spec_s, tps, table)
     rows = "off" if table == "off" else [r.model_dump() for r in table]
-    console.print(f"kernel: {engine.kernel}")
+    console.print(f"compute path: {engine.compute_path}")
     out.write_text(json.dumps({
-        "kernel": engine.kernel, "draft_search": engine.runner.draft_search,
+        "compute_path": engine.compute_path, "draft_search": engine.runner.draft_search,
         "prompt_lookup_num_tokens": engine.lookup.num_tokens if engine.lookup else 0,
         "batch_sizes": batches, "context_len": context_len, "repeats": repeats,
-        "tokens_per_step": {f"{s[0]}x{s[1]}": v for s, v in tps.items()},
+        "tokens_per_step": {str(s): v for s, v in tps.items()},
         "plain_step_s": plain_s,
-        "spec_step_s": {f"{b}:{s[0]}x{s[1]}": v for (b, s), v in spec_s.items()},
-        "spec_schedule": rows,
+        "spec_step_s": {f"{b}:{s}": v for (b, s), v in spec_s.items()},
+        "table": rows,
     }, indent=1))
     console.print(f"figures written to {out}")
+    path = engine.compute_path
     if calibrations is not None and new_entry and write:
-        _write_kernel_entry(config, "spec_calibration_by_kernel", engine.kernel, _config_relative(out, config),
-                            f"`rdserve calibrate`: batch sizes {batch_sizes}, shapes {shapes}")
-        console.print(f"engine.spec_calibration_by_kernel.{engine.kernel} written to {config}: replicas on this "
+        _write_path_entry(config, path, "calibration", _config_relative(out, config),
+                          f"`rdserve calibrate`: batch sizes {batch_sizes}, shapes {shapes}")
+        console.print(f"speculation.by_compute_path.{path}.calibration written to {config}: replicas on this "
                       "path read it at start (the goodput model)")
     elif auto:
-        _report_auto_file(cfg_auto_files, engine.kernel, out, config)
-    elif write and by_kernel:
-        _write_kernel_entry(config, "spec_schedule_by_kernel", engine.kernel, _yaml_rows(rows),
-                            f"`rdserve calibrate` ({out.name}): batch sizes {batch_sizes}, shapes {shapes}")
-        console.print(f"engine.spec_schedule_by_kernel.{engine.kernel} written to {config}")
+        _report_auto_file(cfg_auto_files, path, out, config)
+    elif write and by_path:
+        _write_path_entry(config, path, "table", _yaml_rows(rows),
+                          f"`rdserve calibrate` ({out.name}): batch sizes {batch_sizes}, shapes {shapes}")
+        console.print(f"speculation.by_compute_path.{path}.table written to {config}")
     elif write:
         _write_schedule(config, rows, f"derived by `rdserve calibrate` ({out.name}): batch sizes {batch_sizes}, "
                                       f"shapes {shapes}")
-        console.print(f"engine.spec_schedule and router.spec_max_load written to {config}")
+        console.print(f"speculation.policy, speculation.table and speculation.spec_max_load written to {config}")
 
 
-def _report_auto_file(files: tuple, kernel: str, out: Path, config: Path) -> None:
-    """Say whether replicas on ``kernel`` will read ``out`` (spec_schedule 'auto', config unchanged):
-    ``files`` is (spec_calibration_by_kernel or None, spec_calibration)."""
-    by_kernel, single = files
-    field, read = (f"engine.spec_calibration_by_kernel.{kernel}", by_kernel[kernel]) if kernel in (by_kernel or {}) \
-        else ("engine.spec_calibration", single)
+def _report_auto_file(files: tuple, path: str, out: Path, config: Path) -> None:
+    """Say whether replicas on compute path ``path`` will read ``out`` (policy 'auto', config
+    unchanged): ``files`` is (the by_compute_path calibrations or None, speculation.calibration)."""
+    by_path, single = files
+    field, read = (f"speculation.by_compute_path.{path}.calibration", by_path[path]) if path in (by_path or {}) \
+        else ("speculation.calibration", single)
     if read is not None and read.resolve() == out.resolve():
-        console.print("engine.spec_schedule is 'auto': the goodput model reads the step costs and tokens per step "
+        console.print("speculation.policy is 'auto': the goodput model reads the step costs and tokens per step "
                       f"from {out} at start ({field}); the config is left as it is")
-    elif by_kernel is not None and read is None:
-        console.print(f"[bold]not read at start[/]: the config has no engine.spec_calibration_by_kernel.{kernel} "
-                      f"entry (run again with --write, or add `{kernel}: {_config_relative(out, config)}` there)")
+    elif by_path is not None and read is None:
+        console.print(f"[bold]not read at start[/]: the config has no speculation.by_compute_path.{path} entry (run "
+                      f"again with --write, or add `{path}: {{calibration: {_config_relative(out, config)}}}` there)")
     else:
-        console.print(f"[bold]not read at start[/]: replicas on {kernel} read {field} ({read}); the config is left "
+        console.print(f"[bold]not read at start[/]: replicas on {path} read {field} ({read}); the config is left "
                       "as it is")
 
 
 def spec_max_load(rows) -> int:
-    """The router's threshold matching a schedule (rows as dicts, or ``"off"``): the largest batch
+    """The per-request mode's threshold (``speculation.spec_max_load``) matching a schedule (rows as dicts, or ``"off"``): the largest batch
     size that still speculates."""
-    from workers.spec_schedule import largest_speculating_batch, validate_schedule
+    from workers.speculation.schedule import largest_speculating_batch, validate_schedule
 
     return largest_speculating_batch(validate_schedule(rows))
 
@@ -225,23 +230,25 @@ def _config_relative(path: Path, config: Path) -> str:
     return str(path.relative_to(base)) if path.is_relative_to(base) else str(path)
 
 
-def _write_kernel_entry(config: Path, section: str, kernel: str, new, note: str) -> None:
-    """Set ``engine.<section>[kernel]`` to ``new`` (round-trip YAML rows, or a scalar) in the YAML file,
-    keeping the rest (comments included; a new entry gets ``note`` as its comment, an existing one
-    keeps its own)."""
+def _write_path_entry(config: Path, path: str, key: str, new, note: str) -> None:
+    """Set ``speculation.by_compute_path.<path>`` to ``{key: new}`` (``key`` ``table``: round-trip YAML
+    rows or ``"off"``; ``calibration``: a file name) in the YAML file, keeping the rest (comments
+    included; a new entry gets ``note`` as its comment, an existing one keeps its own)."""
     from ruamel.yaml.comments import CommentedMap, CommentedSeq
 
     rt, data = _round_trip(config)
-    engine = data.setdefault("engine", CommentedMap())
-    table = engine.get(section)
+    spec = data.setdefault("speculation", CommentedMap())
+    table = spec.get("by_compute_path")
     if not isinstance(table, CommentedMap):
-        table = engine[section] = CommentedMap()
+        table = spec["by_compute_path"] = CommentedMap()
     table.fa.set_block_style()  # `{}` in the file: rows and notes read better in block style
-    old = table.get(kernel)
-    existed = kernel in table
-    # ruamel keeps the full-line comments that follow an entry on its rows' sequence (or on the key of
-    # an inline value): refill that sequence in place and keep the key's comments, so that no other
-    # entry loses the note above it
+    existed = path in table
+    entry = table.get(path)
+    if not isinstance(entry, CommentedMap):
+        entry = table[path] = CommentedMap()
+    old = entry.get(key)
+    # ruamel keeps the full-line comments that follow an entry on its rows' sequence: refill that
+    # sequence in place, so that no other entry loses the note above it
     if isinstance(old, CommentedSeq) and isinstance(new, CommentedSeq):
         last = old.ca.items.get(len(old) - 1)
         del old[:]
@@ -249,29 +256,33 @@ def _write_kernel_entry(config: Path, section: str, kernel: str, new, note: str)
         if last is not None:
             old.ca.items[len(old) - 1] = last
     else:
-        table[kernel] = new
+        for other in [k for k in entry if k != key]:  # an entry holds a table or a calibration, not both
+            del entry[other]
+        entry[key] = new
     if not existed:
-        table.yaml_add_eol_comment(note, kernel)
+        table.yaml_add_eol_comment(note, path)
     with config.open("w") as f:
         rt.dump(data, f)
 
 
 def _write_schedule(config: Path, rows, note: str) -> None:
-    """Set ``engine.spec_schedule`` and ``router.spec_max_load`` in the YAML file, keeping its
-    comments and other keys (round trip)."""
+    """Set ``speculation.policy`` ('table', or 'off' for an all-off table), ``speculation.table`` and
+    ``speculation.spec_max_load`` in the YAML file, keeping its comments and other keys (round trip)."""
     from ruamel.yaml.comments import CommentedMap
 
     rt, data = _round_trip(config)
-    engine = data.setdefault("engine", CommentedMap())
-    value = _yaml_rows(rows)
-    engine["spec_schedule"] = value
-    engine.ca.items.pop("spec_schedule", None)  # replace the note of an earlier calibration
-    engine.yaml_add_eol_comment(note, "spec_schedule")
-    router = data.setdefault("router", CommentedMap())
-    router["spec_max_load"] = spec_max_load(rows)
-    router.ca.items.pop("spec_max_load", None)
-    router.yaml_add_eol_comment("auto: speculate while the replica holds at most this many requests "
-                                "(the schedule's largest speculating batch size)", "spec_max_load")
+    spec = data.setdefault("speculation", CommentedMap())
+    spec["policy"] = "off" if rows == "off" else "table"
+    spec.ca.items.pop("policy", None)  # replace the note of an earlier calibration
+    spec.yaml_add_eol_comment(note, "policy")
+    if rows == "off":
+        spec.pop("table", None)
+    else:
+        spec["table"] = _yaml_rows(rows)
+    spec["spec_max_load"] = spec_max_load(rows)
+    spec.ca.items.pop("spec_max_load", None)
+    spec.yaml_add_eol_comment("auto requests speculate while the replica holds at most this many requests "
+                              "(the table's largest speculating batch size)", "spec_max_load")
     with config.open("w") as f:
         rt.dump(data, f)
 
@@ -281,10 +292,10 @@ def _print(batches, shape_list, plain_s, spec_s, tps, table) -> None:
     t.add_column("batch")
     t.add_column("plain")
     for s in shape_list:
-        t.add_column(f"{s[0]}x{s[1]} ({tps[s]:.2f} t/step)")
+        t.add_column(f"{s} ({tps[s]:.2f} t/step)")
     for b in batches:
         cells = [f"{b / plain_s[b]:.1f} ({plain_s[b] * 1e3:.0f} ms)"]
         cells += [f"{b * tps[s] / spec_s[b, s]:.1f} ({spec_s[b, s] * 1e3:.0f} ms)" for s in shape_list]
         t.add_row(str(b), *cells)
     console.print(t)
-    console.print(f"derived spec_schedule: {table if table == 'off' else [r.model_dump() for r in table]}")
+    console.print(f"derived table: {table if table == 'off' else [r.model_dump() for r in table]}")

@@ -11,15 +11,15 @@ import socket
 import threading
 import time
 from pathlib import Path
-from typing import Literal, NoReturn
+from typing import Literal
 
 import httpx
 from jinja2.exceptions import TemplateError
 import typer
-from rich.console import Console
 
 from cluster.calibrate_cli import calibrate
-from cluster.config import ConfigError, RdserveConfig, check_startable, load_config
+from cluster.cli_common import console, err_console, exit_config_error, startable_config, with_model_dir
+from cluster.config import ConfigError, RdserveConfig
 from cluster.deploy_cli import k8s_app, serve_config_command
 from cluster.evaluation.bench_cli import bench
 from cluster.evaluation.eval_cli import evaluate
@@ -42,37 +42,8 @@ app.add_typer(observability_app, name="observability")
 app.command("serve-config")(serve_config_command)
 app.add_typer(k8s_app, name="k8s")
 
-console = Console()
-err_console = Console(stderr=True, soft_wrap=True)  # an error is one line, however long its paths
-
 ConfigOption = typer.Option(DEFAULT_CONFIG, "--config", "-c", help="YAML config (relative paths inside it "
                             "resolve against its own directory).")
-
-
-def _startable_config(path: Path, calibration: bool = True) -> RdserveConfig:
-    """Load and check the config; on error print it (naming the field) and exit with code 2."""
-    try:
-        cfg = load_config(path)
-        check_startable(cfg, calibration=calibration)
-    except ConfigError as err:
-        _exit_config_error(err)
-    return cfg
-
-
-def _exit_config_error(err: ConfigError) -> NoReturn:
-    err_console.print(f"[red]config error[/red]: {err}", highlight=False)
-    raise typer.Exit(2) from None
-
-
-def _with_model_dir(cfg: RdserveConfig) -> RdserveConfig:
-    """Pull the default model when ``model.path`` is null (a no-op once cached)."""
-    if cfg.model.path is not None:
-        return cfg
-    from workers.models.pull import pull_default
-
-    with console.status(f"pulling the default model {cfg.model.name} (first run converts GGUF -> safetensors)"):
-        model_dir = pull_default()
-    return cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": model_dir})})
 
 
 @app.command()
@@ -83,7 +54,7 @@ def up(config: Path = ConfigOption) -> None:
     serve.drain_timeout_s to finish, the rest end with an error), then shuts Serve and Ray down (exit 0).
     A second signal stops at once.
     """
-    cfg = _with_model_dir(_startable_config(config))
+    cfg = with_model_dir(startable_config(config))
     from cluster.app import SERVE_ENV, deploy, local_serve_env
     from cluster.local_ray import keep_ray_on_loopback, loopback_only, ray_init_options
 
@@ -243,7 +214,7 @@ def generate(
     if mode not in ("spec", "plain"):
         err_console.print(f"--mode must be 'spec' or 'plain', got '{mode}'")
         raise typer.Exit(2)
-    cfg = _startable_config(config)
+    cfg = startable_config(config)
     if mode == "spec" and cfg.drafter.path is None:
         err_console.print("--mode spec needs drafter.path in the config")
         raise typer.Exit(2)
@@ -255,9 +226,9 @@ def generate(
     from workers.sampling_params import SamplingParams
 
     try:
-        engine = build_engine(_with_model_dir(cfg))
+        engine = build_engine(with_model_dir(cfg))
     except ConfigError as err:  # what the model allows (a pulled default model is read only here)
-        _exit_config_error(err)
+        exit_config_error(err)
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed)
     try:
         for where, item in items:

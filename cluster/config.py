@@ -11,18 +11,20 @@ machine (paths exist, backend/device/tp_size supported) and is called by ``rdser
 from __future__ import annotations
 
 import importlib.util
-import json
 from pathlib import Path
 from typing import Annotated, Literal
 
 import yaml
-from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, SecretStr, StrictBool,
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, SecretStr, StrictBool,
                       ValidationError, ValidationInfo, field_validator, model_validator)
+
+from pydantic.fields import FieldInfo
 
 from cluster.auth import ApiKeySource, parse_api_keys, resolve_keys
 from cluster.k8s.settings import KubernetesConfig
-from workers.kernel_name import check_kernel_name
-from workers.spec_schedule import SpecSchedule
+from workers.engine_options import EngineOptions
+from workers.speculation.options import SpeculationOptions
+from workers.speculation.shape import DraftShape
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
@@ -57,130 +59,96 @@ class DrafterConfig(_Section):
     _resolve_path = field_validator("path")(_resolve)
 
 
-class EngineConfig(_Section):
-    backend: Literal["torch", "tensorrt_llm"] = "torch"
-    device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d+)?)$", description="cpu | cuda | cuda:N")
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    weights: Literal["auto", "gguf", "float32"] = Field(
-        "auto", description="'gguf': serve the model's GGUF Q4_1/Q8_0 blocks as shipped (CPU, float32 activations); "
-        "'float32': the dequantized weights; 'auto': gguf where the model came from a GGUF file (the default model) "
-        "and the engine runs float32 on CPU with tp_size 1, else float32. With gguf the drafter's float32 weights "
-        "are served as Q8_0 blocks")
-    prefill_dtype: Literal["auto", "float32", "bfloat16"] = Field(
-        "auto", description="prompt (prefill) rows of the GGUF-block linears: 'bfloat16' on oneDNN's AMX GEMM "
-        "(2-3x faster prefill, weights and activations rounded to bfloat16; decode steps and draft trees stay "
-        "float32, so spec output still equals plain), 'float32' the float32 kernels; 'auto': bfloat16 where "
-        "weights are gguf and the CPU has AMX bfloat16 tiles. See BENCHMARKS.md, 'Prefill in bfloat16'")
-    decode_activations: Literal["auto", "float32", "int8"] = Field(
-        "auto", description="activations of decode steps and draft-tree rows in the GGUF-block linears: 'int8' "
-        "(per 32 values, llama.cpp's Q8_1 activations with integer dot products on AVX512-VNNI or AVX2, the same "
-        "results: a tree row costs a quarter (VNNI) to two thirds (AVX2) of a float32 one; output close to, not "
-        "equal to, float32's; spec output still equals plain), 'float32' (bit-identical to the dequantized "
-        "model); 'auto': int8 where weights are gguf. See BENCHMARKS.md, 'Int8 activations'")
-    tp_size: int = Field(1, ge=1, description="tensor-parallel ranks per replica")
-    prompt_lookup_num_tokens: int = Field(
-        4, ge=0, le=16, description="a prompt-lookup beam of this many tokens joins every draft tree: it copies "
-        "what followed the latest earlier occurrence of the context's last n tokens (n from prompt_lookup_max down "
-        "to prompt_lookup_min), so text the answer repeats from the prompt or from itself is drafted too; "
-        "verification is unchanged (lossless). 0: ReDrafter beams only (needed with backend tensorrt_llm)")
-    prompt_lookup_min: int = Field(2, ge=1, le=8, description="shortest n-gram matched by the prompt-lookup beam")
-    prompt_lookup_max: int = Field(3, ge=1, le=8, description="longest n-gram matched by the prompt-lookup beam")
-    prompt_lookup_max_num_tokens: int | None = Field(
-        None, ge=1, le=32, description="after a step that accepted the whole prompt-lookup beam, the next one is "
-        "twice as long, up to this many tokens (a copied or repeating span usually goes on); back to "
-        "prompt_lookup_num_tokens after any other step. null = fixed length")
-    draft_search: Literal["beam", "distinct_first"] = Field(
-        "distinct_first", description="how the drafter's beams are chosen: 'beam', ReDrafter's beam search (the "
-        "best sequences, which often share their first token; TensorRT-LLM's), or 'distinct_first', the num_beams "
-        "most likely first tokens each continued greedily (more first-token candidates per tree; on broad dev at "
-        "2x2: first-token acceptance 0.64 -> 0.67). Same with num_beams 1; verification is unchanged (lossless). "
-        "Backend torch only")
-    num_beams: int = Field(4, ge=1, le=16, description="ReDrafter beams drafted per step")
-    draft_len_per_beam: int = Field(4, ge=1, le=16, description="draft tokens per beam")
-    max_seq_len: int = Field(2048, ge=16, description="context length: prompt + completion tokens; at most the "
-                             "model's max_position_embeddings (checked at start; left unset, 2048 is cut to it)")
-    num_threads: int | None = Field(None, ge=1, description="torch intra-op threads; null = cores / serve.replicas "
-                                    "(with autoscaling: cores / max_replicas, so a full machine is not oversubscribed). "
-                                    "Above the cores of the machine a replica starts on, it logs a warning and "
-                                    "uses the cores (more threads than cores only contend)")
-    adaptive_threads: bool = Field(True, description="each engine step runs on the thread count, up to num_threads, "
-                                   "that its measured step times favour (workers/thread_policy.py): when another "
-                                   "process takes a core, steps move to fewer threads instead of stalling on the "
-                                   "preempted one; false = always num_threads. CPU engines without tensor parallelism")
-    spec_schedule: Literal["auto"] | SpecSchedule | None = Field(
-        None, description="'auto' (the goodput model: shape or plain per iteration from spec_calibration's "
-        "step costs and live acceptance), 'off', or rows {max_batch_size, num_beams, draft_len_per_beam} "
-        "(fixed schedule by number of generation requests); null = num_beams x draft_len_per_beam at every batch size",
-    )
-    spec_schedule_by_kernel: dict[Annotated[str, AfterValidator(check_kernel_name)], SpecSchedule] | None = Field(
-        None, description="schedules as spec_schedule (rows or 'off') by the compute path they were measured on "
-        "(workers.kernel_name: e.g. gguf-avx512-int8, gguf-avx2, float32-torch); a replica takes its own path's, "
-        "else spec_schedule, and router.spec_max_load follows it (its largest speculating batch size). "
-        "`rdserve calibrate --write` fills the entry of the path it ran on",
-    )
-    spec_calibration: Path | None = Field(
-        None, description="`rdserve calibrate --out` JSON (step costs by batch size and shape, tokens per step) "
-        "for spec_schedule 'auto' (and serve.pools' ingress); with spec_calibration_by_kernel, the one for paths "
-        "that have no entry there",
-    )
-    spec_calibration_by_kernel: dict[Annotated[str, AfterValidator(check_kernel_name)], Path] | None = Field(
-        None, description="spec_schedule 'auto': calibration JSONs by the compute path they were measured on "
-        "(workers.kernel_name); a replica reads its own path's, else spec_calibration, else decodes by its "
-        "path's spec_schedule_by_kernel table (else the configured shape at batch 1 only) and logs that "
-        "`rdserve calibrate` is missing. `rdserve calibrate --write` fills the entry of the path it ran on",
-    )
-
-    _resolve_calibration = field_validator("spec_calibration")(_resolve)
-
-    @field_validator("spec_calibration_by_kernel")
-    @classmethod
-    def _resolve_calibrations(cls, value: dict | None, info: ValidationInfo) -> dict | None:
-        return None if value is None else {k: _resolve(v, info) for k, v in value.items()}
-
-    def calibration_for(self, kernel: str) -> Path | None:
-        """The calibration JSON a replica on compute path ``kernel`` reads with spec_schedule 'auto':
-        ``spec_calibration_by_kernel[kernel]``, else ``spec_calibration`` (None: neither)."""
-        return (self.spec_calibration_by_kernel or {}).get(kernel, self.spec_calibration)
-
-    def calibration_files(self) -> dict[str, Path]:
-        """Every calibration file named, by the field naming it (for start checks and packaging)."""
-        files = {f"engine.spec_calibration_by_kernel.{k}": v for k, v in (self.spec_calibration_by_kernel or {}).items()}
-        if self.spec_calibration is not None:
-            files["engine.spec_calibration"] = self.spec_calibration
-        return files
-    max_batch_size: int = Field(16, ge=1, description="requests decoded together (in-flight batching)")
-    max_num_tokens: int = Field(2048, ge=16, description="tokens per iteration: context chunks + draft trees")
-    max_prefill_chunk: int | None = Field(512, ge=1, description="context tokens of one request per iteration")
-    tokens_per_block: int = Field(16, ge=1, description="paged KV cache block size")
-    num_kv_blocks: int | None = Field(None, ge=1, description="KV cache blocks; null = sized by kv_cache_fraction")
-    kv_cache_fraction: float = Field(0.2, gt=0, le=1, description="share of free memory for the KV cache")
+def serving_defaults(base: type[BaseModel], name: str, **defaults) -> type[BaseModel]:
+    """``base`` (defined in ``workers``) as a config section: unknown keys are errors, and the fields
+    in ``defaults`` start at the value a server wants (``field=value``, or ``field=(value,
+    description)`` where the meaning of the default differs). Everything else is ``base``'s."""
+    namespace: dict = {"__annotations__": {}, "__doc__": base.__doc__, "model_config": ConfigDict(extra="forbid")}
+    for field, value in defaults.items():
+        value, description = value if isinstance(value, tuple) else (value, None)
+        info = base.model_fields[field]
+        namespace["__annotations__"][field] = info.annotation
+        namespace[field] = FieldInfo.merge_field_infos(info, default=value, **(
+            {"description": description} if description else {}))
+    return type(name, (base,), namespace)
 
 
-class AutoPolicyConfig(_Section):
-    """The goodput model's hysteresis and estimates (``engine.spec_schedule: auto``), see
-    ``cluster.spec_controller``."""
-
-    margin: float = Field(0.05, ge=0, description="another choice must win by this fraction of tokens/s...")
-    patience: int = Field(8, ge=1, description="...for this many consecutive iterations before switching")
-    ema_alpha: float = Field(0.05, gt=0, le=1, description="replica tokens-per-step moving average weight")
-    request_ema_alpha: float = Field(0.2, gt=0, le=1, description="per-request tokens-per-step moving average weight")
-    probe_interval: int = Field(8, ge=1, description="a request decoding plain for low acceptance drafts "
-                                "once every this many steps")
+_Engine = serving_defaults(
+    EngineOptions, "_Engine", decode_activations="auto", adaptive_threads=True,
+    num_threads=(None, "torch intra-op threads; null = cores / serve.replicas (with autoscaling: cores / "
+                 "max_replicas, so a full machine is not oversubscribed). Above the cores of the machine a replica "
+                 "starts on, it logs a warning and uses the cores (more threads than cores only contend)"))
 
 
-class RouterConfig(_Section):
-    """Speculation policy, see ``cluster.router.choose_mode``.
+class EngineConfig(_Engine):
+    """The engine section: :class:`workers.engine_options.EngineOptions` (fields and descriptions
+    there) with a server's defaults, and the backend."""
 
-    ``spec_max_load``: in ``auto`` mode a request is decoded speculatively when the replica's load
-    (requests it holds, running or queued, counting the new one) is at most this; above it, plain.
-    0 turns speculation off for ``auto`` requests.
+    backend: Literal["torch", "tensorrt_llm"] = Field("torch", description="'torch': rdserve's engine; "
+                                                      "'tensorrt_llm': TensorRT-LLM's ReDrafter engines (not wired "
+                                                      "into this build yet)")
+
+
+_Speculation = serving_defaults(SpeculationOptions, "_Speculation", num_beams=4, draft_len_per_beam=4,
+                                prompt_lookup_num_tokens=4)
+
+
+class SpeculationConfig(_Speculation):
+    """The speculation section: :class:`workers.speculation.options.SpeculationOptions` (the draft
+    tree and the engine's policy) with a server's defaults, and the per-request mode
+    (:func:`cluster.router.choose_mode`). Relative calibration paths resolve against the YAML's folder.
+
+    ``spec_max_load``: under a policy that is not live (fixed, table, off), an ``auto`` request is
+    decoded speculatively when the replica's load (requests it holds, running or queued, counting the
+    new one) is at most this; above it, plain. 0 turns speculation off for ``auto`` requests.
     """
 
+    default_mode: Literal["auto", "spec", "plain"] = Field(
+        "auto", description="a request's mode when it names none (body extension rdserve.mode): 'auto' follows "
+        "the policy and spec_max_load, 'spec' and 'plain' force one")
     spec_max_load: int = Field(4, ge=0, description="auto requests speculate while the replica holds at most this "
-                               "many; on a replica whose kernel has an engine.spec_schedule_by_kernel entry, that "
-                               "table's largest speculating batch size replaces it")
-    default_mode: Literal["auto", "spec", "plain"] = "auto"
-    auto: AutoPolicyConfig = Field(default_factory=lambda: AutoPolicyConfig())
+                               "many (policy fixed/table/off); on a replica whose compute path has a "
+                               "by_compute_path table, that table's largest speculating batch size replaces it")
+
+    _resolve_calibration = field_validator("calibration")(_resolve)
+
+    @field_validator("by_compute_path")
+    @classmethod
+    def _resolve_path_calibrations(cls, value: dict | None, info: ValidationInfo) -> dict | None:
+        if value is None:
+            return None
+        return {k: v if v.calibration is None else v.model_copy(update={"calibration": _resolve(v.calibration, info)})
+                for k, v in value.items()}
+
+
+MOVED_KEYS = {
+    ("engine", "num_beams"): "speculation.num_beams",
+    ("engine", "draft_len_per_beam"): "speculation.draft_len_per_beam",
+    ("engine", "spec_schedule"): "speculation.policy ('fixed', 'table' with speculation.table, 'auto', 'off')",
+    ("engine", "spec_schedule_by_kernel"): "speculation.by_compute_path.NAME.table",
+    ("engine", "spec_calibration"): "speculation.calibration (with speculation.policy 'auto')",
+    ("engine", "spec_calibration_by_kernel"): "speculation.by_compute_path.NAME.calibration",
+    ("engine", "draft_search"): "speculation.draft_search",
+    ("engine", "prompt_lookup_num_tokens"): "speculation.prompt_lookup_num_tokens",
+    ("engine", "prompt_lookup_min"): "speculation.prompt_lookup_min",
+    ("engine", "prompt_lookup_max"): "speculation.prompt_lookup_max",
+    ("engine", "prompt_lookup_max_num_tokens"): "speculation.prompt_lookup_max_num_tokens",
+    ("router", "spec_max_load"): "speculation.spec_max_load",
+    ("router", "default_mode"): "speculation.default_mode",
+    ("router", "auto"): "speculation.auto",
+}
+"""Keys of older configs and where they live now: a config that still uses one fails at start naming both."""
+
+
+def moved_keys(data: dict) -> list[str]:
+    """One line per key of ``data`` (a config mapping) that has moved, naming its new place."""
+    problems = []
+    for (section, key), place in MOVED_KEYS.items():
+        if isinstance(data.get(section), dict) and key in data[section]:
+            problems.append(f"{section}.{key}: moved to {place}")
+    if isinstance(data.get("router"), dict) and not data["router"]:
+        problems.append("router: moved to the speculation section")
+    return problems
 
 
 class AutoscalingConfig(_Section):
@@ -247,10 +215,10 @@ class PoolConfig(_Section):
 
 
 class PoolsConfig(_Section):
-    """Two-pool mode (``cluster.pools``): ``spec`` replicas always draft with engine.num_beams x
-    engine.draft_len_per_beam (as a TensorRT-LLM ReDrafter engine, whose shape is built in); ``plain``
+    """Two-pool mode (``cluster.pools``): ``spec`` replicas always draft with speculation.num_beams x
+    speculation.draft_len_per_beam (as a TensorRT-LLM ReDrafter engine, whose shape is built in); ``plain``
     replicas have no drafter. The ingress sends each request to the pool where the goodput model
-    (engine.spec_calibration) expects it to decode fastest."""
+    (speculation.calibration) expects it to decode fastest."""
 
     spec: PoolConfig = Field(default_factory=PoolConfig)
     plain: PoolConfig = Field(default_factory=PoolConfig)
@@ -321,82 +289,88 @@ class RdserveConfig(_Section):
     model: ModelConfig = Field(default_factory=ModelConfig)
     drafter: DrafterConfig = Field(default_factory=DrafterConfig)
     engine: EngineConfig = Field(default_factory=EngineConfig)
-    router: RouterConfig = Field(default_factory=RouterConfig)
+    speculation: SpeculationConfig = Field(default_factory=SpeculationConfig, description="the draft tree and "
+                                           "when to draft (workers.speculation)")
     serve: ServeConfig = Field(default_factory=ServeConfig)
     observability: ObservabilityConfig = Field(default_factory=ObservabilityConfig)
     kubernetes: KubernetesConfig = Field(default_factory=KubernetesConfig, description="pods of `rdserve k8s "
                                          "render` (cluster.k8s); unused by local runs")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _no_moved_keys(cls, data):
+        problems = moved_keys(data) if isinstance(data, dict) else []
+        if problems:
+            raise ValueError("; ".join(problems))
+        return data
+
     @model_validator(mode="after")
-    def _auto_needs_calibration(self):
-        eng = self.engine
-        if eng.spec_schedule == "auto":
-            if eng.spec_calibration is None and not eng.spec_calibration_by_kernel:
-                raise ValueError("engine.spec_calibration: spec_schedule 'auto' needs the calibration JSON "
-                                 "(`rdserve calibrate --out FILE`), or engine.spec_calibration_by_kernel")
-            if self.drafter.path is None:
-                raise ValueError("engine.spec_schedule: 'auto' needs drafter.path (nothing to speculate with)")
-            both = sorted(set(eng.spec_schedule_by_kernel or {}) & set(eng.spec_calibration_by_kernel or {}))
-            if both:
-                raise ValueError(f"engine.spec_schedule_by_kernel.{both[0]}: not used with spec_schedule 'auto', "
-                                 f"which reads engine.spec_calibration_by_kernel.{both[0]} on that path; remove one")
-            if eng.spec_schedule_by_kernel and eng.spec_calibration is not None:
-                raise ValueError("engine.spec_schedule_by_kernel: not used with spec_schedule 'auto' and "
-                                 "engine.spec_calibration (every compute path reads a calibration); remove one of "
-                                 "them, or key the calibrations by path (spec_calibration_by_kernel) so that the "
-                                 "tables serve the paths without one")
-        elif eng.spec_calibration_by_kernel:
-            raise ValueError("engine.spec_calibration_by_kernel: only read with spec_schedule 'auto' (the goodput "
-                             f"model); spec_schedule is {eng.spec_schedule!r}")
-        if eng.prefill_dtype == "bfloat16" and (eng.weights == "float32" or eng.tp_size > 1):
-            raise ValueError("engine.prefill_dtype: 'bfloat16' is for GGUF-block weights (engine.weights gguf/auto, "
-                             "tp_size 1); float32 weights prefill in float32")
-        eng = self.engine
-        srv = self.serve
-        if srv.colocate is True and (srv.replicas != 1 or srv.autoscaling is not None or srv.pools is not None):
-            raise ValueError("serve.colocate: true runs exactly one engine replica, in the ingress's process; it "
-                             "cannot go with serve.replicas above 1, serve.autoscaling or serve.pools (use 'auto')")
-        if self.serve.colocate is True and eng.tp_size > 1:
-            raise ValueError("serve.colocate: true is for engine.tp_size 1 (tensor-parallel replicas place their "
-                             "ranks as a separate deployment); use 'auto' or false")
-        if eng.decode_activations == "int8" and (eng.weights == "float32" or eng.tp_size > 1):
-            raise ValueError("engine.decode_activations: 'int8' is for GGUF-block weights (engine.weights gguf/auto, "
-                             "tp_size 1)")
-        if eng.prompt_lookup_min > eng.prompt_lookup_max:
-            raise ValueError(f"engine.prompt_lookup_min: {eng.prompt_lookup_min} is above engine.prompt_lookup_max "
-                             f"{eng.prompt_lookup_max}")
-        if eng.prompt_lookup_max_num_tokens is not None and eng.prompt_lookup_num_tokens == 0:
-            raise ValueError("engine.prompt_lookup_max_num_tokens: set, but engine.prompt_lookup_num_tokens is 0 "
-                             "(no lookup beam to grow)")
-        longest = (eng.prompt_lookup_max_num_tokens or eng.prompt_lookup_num_tokens) if eng.prompt_lookup_num_tokens else 0
-        if 1 + eng.num_beams * eng.draft_len_per_beam + longest > eng.max_num_tokens:
-            raise ValueError(f"engine.max_num_tokens: {eng.max_num_tokens} cannot hold one draft tree of "
-                             f"1 + {eng.num_beams} x {eng.draft_len_per_beam} tokens plus a {longest}-token lookup beam")
-        if eng.prompt_lookup_max_num_tokens is not None and eng.prompt_lookup_max_num_tokens < eng.prompt_lookup_num_tokens:
-            raise ValueError(f"engine.prompt_lookup_max_num_tokens: {eng.prompt_lookup_max_num_tokens} is below "
-                             f"engine.prompt_lookup_num_tokens {eng.prompt_lookup_num_tokens}")
-        if eng.draft_search != "beam" and eng.backend != "torch" and "draft_search" in eng.model_fields_set:
-            raise ValueError(f"engine.draft_search: {eng.draft_search!r} needs backend torch (TensorRT-LLM drafts by "
-                             "beam search); use 'beam' or leave it unset")
-        if eng.prompt_lookup_num_tokens and eng.backend != "torch" and "prompt_lookup_num_tokens" in eng.model_fields_set:
-            raise ValueError("engine.prompt_lookup_num_tokens: the prompt-lookup beam needs backend torch "
-                             "(TensorRT-LLM's ReDrafter engine drafts its compiled beams only); set it to 0")
-        if self.serve.pools is not None:
-            if self.serve.autoscaling is not None:
-                raise ValueError("serve.autoscaling: not used with serve.pools; set serve.pools.spec.autoscaling "
-                                 "and serve.pools.plain.autoscaling")
-            if self.engine.spec_schedule_by_kernel:
-                raise ValueError("engine.spec_schedule_by_kernel: not used with serve.pools (the spec pool drafts "
-                                 "engine.num_beams x draft_len_per_beam at every batch size); remove it")
-            if self.engine.spec_schedule is not None:
-                raise ValueError("engine.spec_schedule: not used with serve.pools (the spec pool drafts "
-                                 "engine.num_beams x draft_len_per_beam at every batch size); leave it null")
-            if self.engine.spec_calibration is None:
-                raise ValueError("engine.spec_calibration: serve.pools needs the calibration JSON (the ingress "
-                                 "picks a pool with the goodput model; `rdserve calibrate --out FILE`)")
-            if self.drafter.path is None:
-                raise ValueError("serve.pools: two-pool mode needs drafter.path for the speculative pool")
+    def _cross_section_rules(self):
+        """Rules that tie two sections together, each named for what it checks (every section
+        checks its own fields itself)."""
+        for rule in (_auto_needs_a_drafter, _colocate_fits_serving, _tree_fits_an_iteration,
+                     _backend_drafts_this_way, _pools_speculate_fixed, _calibration_is_read):
+            rule(self)
         return self
+
+
+def _auto_needs_a_drafter(cfg: RdserveConfig) -> None:
+    if cfg.speculation.policy == "auto" and cfg.drafter.path is None:
+        raise ValueError("speculation.policy: 'auto' needs drafter.path (nothing to speculate with)")
+
+
+def _colocate_fits_serving(cfg: RdserveConfig) -> None:
+    srv = cfg.serve
+    if srv.colocate is True and (srv.replicas != 1 or srv.autoscaling is not None or srv.pools is not None):
+        raise ValueError("serve.colocate: true runs exactly one engine replica, in the ingress's process; it "
+                         "cannot go with serve.replicas above 1, serve.autoscaling or serve.pools (use 'auto')")
+    if srv.colocate is True and cfg.engine.tp_size > 1:
+        raise ValueError("serve.colocate: true is for engine.tp_size 1 (tensor-parallel replicas place their "
+                         "ranks as a separate deployment); use 'auto' or false")
+
+
+def _tree_fits_an_iteration(cfg: RdserveConfig) -> None:
+    spec, eng = cfg.speculation, cfg.engine
+    if 1 + spec.num_beams * spec.draft_len_per_beam + spec.longest_lookup > eng.max_num_tokens:
+        raise ValueError(f"engine.max_num_tokens: {eng.max_num_tokens} cannot hold one draft tree of 1 + "
+                         f"{spec.num_beams} x {spec.draft_len_per_beam} tokens plus a {spec.longest_lookup}-token "
+                         "lookup beam")
+
+
+def _backend_drafts_this_way(cfg: RdserveConfig) -> None:
+    spec = cfg.speculation
+    if cfg.engine.backend == "torch":
+        return
+    if spec.draft_search != "beam" and "draft_search" in spec.model_fields_set:
+        raise ValueError(f"speculation.draft_search: {spec.draft_search!r} needs engine.backend torch (TensorRT-LLM "
+                         "drafts by beam search); use 'beam' or leave it unset")
+    if spec.prompt_lookup_num_tokens and "prompt_lookup_num_tokens" in spec.model_fields_set:
+        raise ValueError("speculation.prompt_lookup_num_tokens: the prompt-lookup beam needs engine.backend torch "
+                         "(TensorRT-LLM's ReDrafter engine drafts its compiled beams only); set it to 0")
+
+
+def _pools_speculate_fixed(cfg: RdserveConfig) -> None:
+    if cfg.serve.pools is None:
+        return
+    spec = cfg.speculation
+    if cfg.serve.autoscaling is not None:
+        raise ValueError("serve.autoscaling: not used with serve.pools; set serve.pools.spec.autoscaling "
+                         "and serve.pools.plain.autoscaling")
+    if spec.policy != "fixed" or spec.by_compute_path:
+        raise ValueError("speculation.policy: serve.pools needs 'fixed' without by_compute_path (the spec pool drafts "
+                         "speculation.num_beams x draft_len_per_beam at every batch size)")
+    if spec.calibration is None:
+        raise ValueError("speculation.calibration: serve.pools needs the calibration JSON (the ingress picks a pool "
+                         "with the goodput model; `rdserve calibrate --out FILE`)")
+    if cfg.drafter.path is None:
+        raise ValueError("serve.pools: two-pool mode needs drafter.path for the speculative pool")
+
+
+def _calibration_is_read(cfg: RdserveConfig) -> None:
+    spec = cfg.speculation
+    if spec.calibration is not None and spec.policy != "auto" and cfg.serve.pools is None:
+        raise ValueError(f"speculation.calibration: only read with policy 'auto' or serve.pools (policy is "
+                         f"{spec.policy!r})")
 
 
 def format_validation_error(err: ValidationError) -> str:
@@ -448,7 +422,7 @@ def check_startable(cfg: RdserveConfig, cuda_available: bool | None = None, cali
     """What this build can start: torch backend, an available device, existing paths.
 
     ``cuda_available`` defaults to ``torch.cuda.is_available()``. ``calibration`` False skips reading
-    ``engine.spec_calibration`` (``rdserve calibrate`` is what writes it).
+    the calibration files (``rdserve calibrate`` is what writes them).
 
     Raises:
         ConfigError: naming the field that cannot be honoured here.
@@ -477,39 +451,49 @@ def check_startable(cfg: RdserveConfig, cuda_available: bool | None = None, cali
             raise ConfigError(f"{field}: directory not found: {path}")
         if path is not None and not (path / "config.json").is_file():
             raise ConfigError(f"{field}: {path} has no config.json (not a model/drafter directory)")
-    if (eng.spec_schedule == "auto" or cfg.serve.pools is not None) and calibration:
-        from cluster.goodput import StepCosts
-
-        lookup = eng.prompt_lookup_max_num_tokens or eng.prompt_lookup_num_tokens if eng.prompt_lookup_num_tokens else 0
-        keys = {f"engine.spec_calibration_by_kernel.{k}": k for k in eng.spec_calibration_by_kernel or {}}
-        loaded = {}
-        for field, path in eng.calibration_files().items():
-            try:
-                costs = loaded[field] = StepCosts.load(path)
-            except ValueError as err:
-                raise ConfigError(f"{field}: {err}") from None
-            key = keys.get(field)
-            measured = json.loads(path.read_text()).get("kernel")
-            if key is not None and measured is not None and measured != key:
-                raise ConfigError(f"{field}: {path} was measured on compute path {measured}, not {key} (its "
-                                  "step costs belong to that path); file it under its own path or re-run "
-                                  "`rdserve calibrate` on a machine of this one")
-            too_big = [s for s in costs.shapes if 1 + s[0] * s[1] + lookup > eng.max_num_tokens or s[0] > 16 or s[1] > 16]
-            if too_big:
-                raise ConfigError(f"{field}: shape {too_big[0][0]}x{too_big[0][1]} in "
-                                  f"{path} is larger than the engine allows (num_beams and "
-                                  f"draft_len_per_beam at most 16, a tree with its prompt-lookup beam within engine.max_num_tokens "
-                                  f"{eng.max_num_tokens})")
-        shape = (eng.num_beams, eng.draft_len_per_beam)
-        if cfg.serve.pools is not None and shape not in loaded["engine.spec_calibration"].spec_s:
-            raise ConfigError(f"engine.spec_calibration: serve.pools drafts {shape[0]}x{shape[1]} "
-                              f"(engine.num_beams x draft_len_per_beam) but {eng.spec_calibration} has no step "
-                              f"times for it; calibrate with --shapes including {shape[0]}x{shape[1]}")
+    if calibration:
+        _check_calibrations(cfg)
     from workers.models.pull import default_model_dir
 
     model_dir = cfg.model.path or default_model_dir()  # the default model once pulled
     if (model_dir / "config.json").is_file():
         check_model_limits(eng, model_dir)
+
+
+def _check_calibrations(cfg: RdserveConfig) -> None:
+    """Every calibration file named is readable, was measured on the compute path it is filed under,
+    holds only trees the engine allows, and (two-pool mode) times the spec pool's shape.
+
+    Raises:
+        ConfigError: naming the field.
+    """
+    from workers.speculation.goodput import StepCosts
+    from workers.speculation.policy import measured_on
+
+    spec, max_num_tokens = cfg.speculation, cfg.engine.max_num_tokens
+    loaded = {}
+    for field, path in spec.calibration_files().items():
+        try:
+            costs = loaded[field] = StepCosts.load(path)
+        except ValueError as err:
+            raise ConfigError(f"{field}: {err}") from None
+        key = field.split(".")[2] if field.startswith("speculation.by_compute_path.") else None
+        measured, _ = measured_on(path)
+        if key is not None and measured is not None and measured != key:
+            raise ConfigError(f"{field}: {path} was measured on compute path {measured}, not {key} (its "
+                              "step costs belong to that path); file it under its own path or re-run "
+                              "`rdserve calibrate` on a machine of this one")
+        too_big = [s for s in costs.shapes
+                   if 1 + s.size + spec.longest_lookup > max_num_tokens or s.num_beams > 16 or s.draft_len_per_beam > 16]
+        if too_big:
+            raise ConfigError(f"{field}: shape {too_big[0]} in {path} is larger than the engine allows (num_beams and "
+                              "draft_len_per_beam at most 16, a tree with its prompt-lookup beam within "
+                              f"engine.max_num_tokens {max_num_tokens})")
+    shape = DraftShape(spec.num_beams, spec.draft_len_per_beam)
+    if cfg.serve.pools is not None and shape not in loaded["speculation.calibration"].spec_s:
+        raise ConfigError(f"speculation.calibration: serve.pools drafts {shape} (speculation.num_beams x "
+                          f"draft_len_per_beam) but {spec.calibration} has no step times for it; calibrate with "
+                          f"--shapes including {shape}")
 
 
 def check_model_limits(eng: EngineConfig, model_dir: Path) -> None:

@@ -26,7 +26,7 @@ def _config(path: Path) -> RdserveConfig:
 
 def _shown(path: Path) -> str:
     """``path`` relative to the project when inside it (stable headers in committed files)."""
-    from cluster.serve_config import PROJECT_ROOT
+    from cluster.app_args import PROJECT_ROOT
 
     path = path.resolve()
     return str(path.relative_to(PROJECT_ROOT)) if path.is_relative_to(PROJECT_ROOT) else str(path)

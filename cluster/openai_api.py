@@ -42,7 +42,7 @@ from cluster.config import ServeConfig
 from cluster.disconnect import QuietDisconnect, info_now
 from cluster.drain import Admission
 from cluster.engine_client import HandleClient, InProcessClient, ResponseStream
-from cluster.goodput import StepCosts
+from workers.speculation.goodput import StepCosts
 from cluster.observability.http import add_metrics_routes, failure_counter
 from cluster.limits import RETRY_AFTER_MIN_S, Interrupted, RequestGuard
 from cluster.pools import PoolLoad, TrackedStream

@@ -3,7 +3,7 @@
 Some engines cannot switch speculation off per request (TensorRT-LLM builds ReDrafter's
 ``num_beams`` and ``draft_len_per_beam`` into the engine). ``serve.pools`` then runs two
 deployments: ``spec`` (every request drafts with one fixed shape) and ``plain`` (no drafter). The
-ingress sends each request to the pool where the goodput model (:mod:`cluster.goodput`) expects it
+ingress sends each request to the pool where the goodput model (:mod:`workers.speculation.goodput`) expects it
 to decode fastest, given how many requests each pool holds per replica: at low load the speculative
 pool wins (a tree costs little next to one request), under load its per-request rate falls faster
 than plain decoding's and requests move to the plain pool.
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from cluster.goodput import Shape, StepCosts, plain_rate, spec_rate
+from workers.speculation.goodput import Shape, StepCosts, plain_rate, spec_rate
 
 POOLS = ("spec", "plain")
 

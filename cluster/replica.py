@@ -26,10 +26,10 @@ from cluster.observability.recorder import ReplicaMetrics
 from cluster.placement import placement_gpu_ids, uses_gpu_placement
 from cluster.protocol import RequestError, check_prompt_chars, fit_kv_cache, resolve_max_tokens
 from cluster.replica_stats import TtftWindow, engine_stats
-from cluster.router import choose_mode, router_for_kernel
+from cluster.router import choose_mode
 from workers.async_engine import AsyncEngine, EngineFailure
 from workers.outputs import GenerationDelta
-from workers.spec_schedule import largest_speculating_batch, schedule_text
+from workers.speculation.policy import policy_text
 
 log = logging.getLogger("ray.serve")
 
@@ -42,11 +42,6 @@ def serve_replica_id() -> str:
         return "local"
 
 
-def _schedule_text(engine) -> str:
-    """The engine's speculation schedule for a log line: ``auto``, ``off`` or ``1x2<=2, off above``."""
-    return schedule_text(engine.spec_schedule or "off")
-
-
 @serve.deployment
 class EngineReplica:
     """Ray Serve deployment; ``generate`` streams ``Started``, then engine deltas, or one ``Failed``."""
@@ -55,22 +50,20 @@ class EngineReplica:
         gpus = placement_gpu_ids(cfg.engine.tp_size) if uses_gpu_placement(cfg) else None  # rank r -> GPU
         self.async_engine = AsyncEngine(lambda: build_engine(cfg, gpus))  # built on the engine's own thread
         self.engine = self.async_engine.engine
-        self.router = router_for_kernel(cfg.router, cfg.engine.spec_schedule_by_kernel, self.engine.kernel)
-        self.per_iteration = self.engine.spec_schedule == "auto"  # a live policy (a path without calibration: its table)
-        if cfg.engine.spec_schedule == "auto" and not self.per_iteration:  # no calibration for this path: the
-            # table the engine fell back to decides, and requests are admitted as speculative up to its reach
-            self.router = self.router.model_copy(
-                update={"spec_max_load": largest_speculating_batch(self.engine.spec_schedule)})
+        selected = self.engine.spec_selection
+        self.per_iteration = selected.policy.live  # the goodput model decides per iteration
+        self.spec_cfg = cfg.speculation if selected.spec_max_load is None else cfg.speculation.model_copy(
+            update={"spec_max_load": selected.spec_max_load})  # this compute path's table reaches that far
         self.load = 0
         self.ttft = TtftWindow()
         self.replica_id = serve_replica_id()
         self.metrics = ReplicaMetrics(self.async_engine, cfg.model.name,
-                                      cfg.engine.draft_len_per_beam if cfg.drafter.path else 0) \
+                                      cfg.speculation.draft_len_per_beam if cfg.drafter.path else 0) \
             if cfg.observability.enabled else None
-        log.info("%s", self.engine.kv_size)
-        log.info("engine ready: model %s, drafter %s, kernel %s, speculation schedule %s, spec_max_load %d",
-                 cfg.model.path or "default", cfg.drafter.path, self.engine.kernel, _schedule_text(self.engine),
-                 self.router.spec_max_load)
+        log.info("%s", self.engine.snapshot().kv_size)
+        log.info("engine ready: model %s, drafter %s, compute path %s, speculation %s (%s), spec_max_load %d",
+                 cfg.model.path or "default", cfg.drafter.path, self.engine.compute_path,
+                 policy_text(selected.policy), selected.source, self.spec_cfg.spec_max_load)
 
     def check_health(self) -> None:
         """Ray Serve's health probe: a replica whose tensor-parallel rank died is replaced.
@@ -78,7 +71,7 @@ class EngineReplica:
         Raises:
             RuntimeError: the executor lost a rank (every iteration would fail), or the engine thread died.
         """
-        failure = self.engine.executor.failure
+        failure = self.engine.snapshot().failure
         if failure is not None:
             raise RuntimeError(f"engine executor failed: {failure}")
         if not self.async_engine.alive:
@@ -86,8 +79,8 @@ class EngineReplica:
 
     def record_routing_stats(self) -> dict:
         """Ray Serve's routing-stats hook: see :mod:`cluster.replica_stats`."""
-        return engine_stats(self.engine, self.load, self.async_engine.step_s, self.engine.spec_policy.stats(),
-                            self.ttft.p90())
+        return engine_stats(self.engine.snapshot(), self.load, self.async_engine.step_s, self.ttft.p90(),
+                            self.engine.options.max_batch_size, self.engine.speculative_available)
 
     def record_autoscaling_stats(self) -> dict:
         """Ray Serve's custom autoscaling metrics hook (the same numbers, see :mod:`cluster.replica_stats`)."""
@@ -97,13 +90,14 @@ class EngineReplica:
     def stats(self) -> dict:
         """``load`` (requests held: decoding or queued), ``speculative_available``, and the paged KV
         cache's size and free blocks."""
-        kv, blocks = self.engine.kv_size, self.engine.blocks
+        snap = self.engine.snapshot()
+        kv = snap.kv_size
         return {"load": self.load, "speculative_available": self.engine.speculative_available,
-                "kernel": self.engine.kernel, "spec_schedule": _schedule_text(self.engine),
-                "spec_max_load": self.router.spec_max_load,
+                "compute_path": self.engine.compute_path, "spec_schedule": policy_text(self.engine.spec_policy),
+                "spec_max_load": self.spec_cfg.spec_max_load,
                 "kv_cache": {"blocks": kv.num_blocks, "tokens_per_block": kv.block_size, "tokens": kv.num_tokens,
-                             "mib": round(kv.mib, 1), "free_blocks": blocks.num_free_blocks},
-                **({"failure": str(failure)} if (failure := self.engine.executor.failure or self.async_engine.failure)
+                             "mib": round(kv.mib, 1), "free_blocks": snap.free_blocks},
+                **({"failure": str(failure)} if (failure := snap.failure or self.async_engine.failure)
                    else {})}
 
     def processes(self) -> dict:
@@ -142,8 +136,7 @@ class EngineReplica:
         """
         max_tokens = resolve_max_tokens(req.max_tokens, prompt_tokens, self.engine.max_seq_len,
                                         prompt_field=prompt_field, max_tokens_field=req.max_tokens_field)
-        blocks = self.engine.blocks
-        return fit_kv_cache(max_tokens, prompt_tokens, blocks.num_blocks * blocks.block_size,
+        return fit_kv_cache(max_tokens, prompt_tokens, self.engine.snapshot().kv_size.num_tokens,
                             defaulted=req.max_tokens is None, prompt_field=prompt_field,
                             max_tokens_field=req.max_tokens_field)
 
@@ -166,16 +159,16 @@ class EngineReplica:
             yield Failed(400, f"{prompt_field}: {err}", prompt_field)
             return
         can_draft = self.engine.speculative_available and self.engine.forced_shape is not None
-        mode, reason = choose_mode(self.load, req.mode, self.router, can_draft, self.per_iteration,
+        mode, reason = choose_mode(self.load, req.mode, self.spec_cfg, can_draft, self.per_iteration,
                                    "no drafter loaded" if not self.engine.speculative_available
-                                   else "speculation off (engine.spec_schedule)")
+                                   else "speculation off (speculation.policy)")
         log.info("request: %d prompt tokens, max_tokens %d, mode %s (%s)", len(prompt_ids), max_tokens, mode, reason)
         params = replace(req.sampling, max_tokens=max_tokens)
         start, first = time.monotonic(), True
         try:
             async with contextlib.aclosing(self.async_engine.generate(
                     prompt_ids, params, mode,  # a spec requested, or the default mode, drafts every step
-                    force_draft=(req.mode or self.router.default_mode) == "spec")) as deltas:
+                    force_draft=(req.mode or self.spec_cfg.default_mode) == "spec")) as deltas:
                 async for delta in deltas:
                     if first:  # Started goes out with the first token: nothing else crosses Ray during prefill,
                         self.ttft.add(time.monotonic() - start)  # and a request the engine rejects is a clean 400

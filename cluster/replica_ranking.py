@@ -12,7 +12,7 @@ The model, for a request of at most ``m`` new tokens on one replica:
   in it, plus this router's requests there now (:class:`SentSinceStats`).
 - step cost: one deployment runs one model on one kind of accelerator, so the replicas share one
   step-cost curve, taken as proportional to the batch: ``unit_step_s * b`` seconds for a step of
-  ``b`` requests (as :func:`cluster.goodput.interpolate` extends a single measured point), with
+  ``b`` requests (as :func:`workers.speculation.goodput.interpolate` extends a single measured point), with
   ``unit_step_s`` the candidates' median of ``step_s / running`` (1.0 when no replica is running:
   the result is then in steps rather than seconds). A replica's own ``step_s`` enters only as its
   ``speed`` against the median of the replicas measured at the same batch size (``running``):

@@ -2,7 +2,7 @@
 
 Ray Serve polls a deployment's ``record_routing_stats()`` (every
 ``request_routing_stats_period_s``) and pushes ``record_autoscaling_stats()`` to the controller;
-both return plain dicts of numbers built here from the engine's state, so the router and the
+both return plain dicts of numbers built here from the engine's snapshot, so the router and the
 autoscaling policy stay plain functions of measured state.
 
 Keys (all numbers; times in seconds):
@@ -24,8 +24,12 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from workers.engine import EngineSnapshot
 
 
 class TtftWindow:
@@ -47,23 +51,21 @@ class TtftWindow:
         return float(np.percentile([t for _, t in self._samples], 90))
 
 
-def engine_stats(engine, load: int, step_s: float, policy_stats: dict, ttft_p90_s: float | None) -> dict:
-    """The stats dict (see the module docstring) from a ``workers.engine.Engine``'s state.
-
-    Read from another thread than the engine's: list lengths and counters only, never tensors.
-    """
-    blocks = engine.blocks
-    free, total = blocks.num_free_blocks, blocks.num_blocks
-    tau = policy_stats.get("tau") if engine.speculative_available else None
+def engine_stats(snapshot: EngineSnapshot, load: int, step_s: float, ttft_p90_s: float | None,
+                 max_batch_size: int, speculative_available: bool) -> dict:
+    """The stats dict (see the module docstring) from an engine's ``snapshot()`` and the replica's
+    own numbers; ``max_batch_size`` and ``speculative_available`` are the engine's."""
+    policy_stats = snapshot.spec_stats
+    tau = policy_stats.get("tau") if speculative_available else None
     return {
         "load": load,
-        "running": len(engine.scheduler.running),
-        "waiting": len(engine.scheduler.waiting),
-        "free_kv_blocks": free,
-        "num_kv_blocks": total,
-        "tokens_per_block": blocks.block_size,
-        "kv_usage": 1.0 - free / total if total else 0.0,
-        "max_batch_size": engine.options.max_batch_size,
+        "running": snapshot.running,
+        "waiting": snapshot.waiting,
+        "free_kv_blocks": snapshot.free_blocks,
+        "num_kv_blocks": snapshot.num_blocks,
+        "tokens_per_block": snapshot.kv_size.block_size,
+        "kv_usage": snapshot.kv_usage,
+        "max_batch_size": max_batch_size,
         "step_s": step_s,
         "tau": float(tau) if tau else None,
         "shape": policy_stats.get("shape") or "plain",

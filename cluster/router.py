@@ -7,21 +7,20 @@ extension ``"rdserve": {"mode": "spec" | "plain" | "auto"}`` (see ``cluster.prot
 
 from __future__ import annotations
 
-from cluster.config import RouterConfig
-from workers.spec_schedule import largest_speculating_batch
+from cluster.config import SpeculationConfig
 
 MODES = ("auto", "spec", "plain")
 
 
 def choose_mode(
-    load: int, requested: str | None, cfg: RouterConfig, speculative_available: bool,
+    load: int, requested: str | None, cfg: SpeculationConfig, speculative_available: bool,
     per_iteration: bool = False, unavailable: str = "no drafter loaded",
 ) -> tuple[str, str]:
     """Decide ``("spec" | "plain", reason)`` for one request.
 
     load: requests the replica holds (running + queued), counting this one, so ``load >= 1``.
     requested: the request's ``rdserve.mode``; None falls back to ``cfg.default_mode``.
-    per_iteration: the engine runs the goodput model (``engine.spec_schedule: auto``); an ``auto``
+    per_iteration: the engine's policy is live (the goodput model, ``speculation.policy: auto``); an ``auto``
     request may then speculate, and the engine decides each iteration whether it drafts (plain at
     high load or while its own acceptance is below break-even).
     A forced ``spec`` without a drafter degrades to plain (the reason says so) rather than failing;
@@ -39,16 +38,7 @@ def choose_mode(
         return "plain", f"{source} plain"
     if per_iteration:
         return "spec", "auto: the goodput model picks plain or a draft-tree shape every iteration " \
-                       "(engine.spec_schedule auto)"
+                       "(speculation.policy auto)"
     if load <= cfg.spec_max_load:
         return "spec", f"auto: load {load} <= spec_max_load {cfg.spec_max_load}"
     return "plain", f"auto: load {load} > spec_max_load {cfg.spec_max_load}"
-
-
-def router_for_kernel(cfg: RouterConfig, schedules_by_kernel: dict | None, kernel: str) -> RouterConfig:
-    """``cfg`` with ``spec_max_load`` following the schedule the engine took for its compute path
-    (``engine.spec_schedule_by_kernel[kernel]``, validated), so requests are admitted as speculative
-    up to the load that path's schedule still drafts at; ``cfg`` itself when the path has no entry."""
-    if not schedules_by_kernel or kernel not in schedules_by_kernel:
-        return cfg
-    return cfg.model_copy(update={"spec_max_load": largest_speculating_batch(schedules_by_kernel[kernel])})

@@ -8,8 +8,8 @@ the way Ray's own ``serve build`` does, so the YAML an operator reads cannot dri
 Serve applies them over the code's options, which are the same.
 
 Paths: inside the config, a path within the project (e.g. the committed drafter) is written relative to
-the project root and resolved by :func:`config_from_args` against the project root where the builder
-runs (this checkout, or the image's copy); other paths stay absolute.
+the project root and resolved by :func:`cluster.app_args.config_from_args` against the project
+root where the builder runs (this checkout, or the image's copy); other paths stay absolute.
 """
 
 from __future__ import annotations
@@ -17,54 +17,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import yaml
-from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
+from cluster.app_args import PROJECT_ROOT
 from cluster.auth import ApiKeySource
-from cluster.config import ConfigError, RdserveConfig, check_startable, format_validation_error, load_config, parse_config
-
-PROJECT_ROOT = Path(__file__).resolve().parents[1]
-"""The checkout (or image copy) holding ``cluster/``, ``workers/`` and ``configs/``."""
+from cluster.config import ConfigError, RdserveConfig
 
 IMPORT_PATH = "cluster.app:app_builder"
-
-
-class BuilderArgs(BaseModel):
-    """``args`` of :func:`cluster.app.app_builder`: exactly one of ``config`` (the rdserve config as a
-    mapping) and ``config_path`` (a YAML file; relative: against the project root)."""
-
-    model_config = ConfigDict(extra="forbid")
-    config: dict | None = None
-    config_path: str | None = None
-
-    @model_validator(mode="after")
-    def _exactly_one(self):
-        if (self.config is None) == (self.config_path is None):
-            raise ValueError("args: give exactly one of 'config' (the rdserve config inline) and 'config_path'")
-        return self
-
-
-def config_from_args(args: dict) -> RdserveConfig:
-    """The validated config of the builder's ``args`` (see :class:`BuilderArgs`), checked like
-    ``rdserve up`` checks it (paths exist, backend, calibration), except the device: the builder runs
-    on the Ray head, which may have no GPU; an engine replica checks CUDA where it is placed.
-
-    Raises:
-        ConfigError: naming the field (``args.config.engine.tp_size: ...``).
-    """
-    try:
-        parsed = BuilderArgs.model_validate(args or {})
-    except ValidationError as err:
-        raise ConfigError(format_validation_error(err)) from None
-    if parsed.config is not None:
-        try:
-            cfg = parse_config(parsed.config, PROJECT_ROOT)
-        except ConfigError as err:
-            raise ConfigError("args.config: " + str(err).replace("\n", "\nargs.config: ")) from None
-    else:
-        path = Path(parsed.config_path).expanduser()
-        cfg = load_config(path if path.is_absolute() else PROJECT_ROOT / path)
-    check_startable(cfg, cuda_available=True)
-    return cfg
 
 
 def _portable(value, plain):

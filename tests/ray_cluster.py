@@ -138,3 +138,24 @@ def read_all(f) -> str:
     """Everything written so far to the temporary file ``f``."""
     f.seek(0)
     return f.read()
+
+
+def start_rdserve_up(config: Path, temp_dir: Path, timeout_s: float = 300.0,
+                     cwd: Path | None = None) -> tuple[subprocess.Popen, tempfile.TemporaryFile]:
+    """A running ``rdserve up --config config`` (its own Ray under ``temp_dir``, its own process group),
+    once it printed that it is up, and the file its output goes to. Stop it with ``stop_process_group``.
+
+    Raises:
+        RuntimeError: it exited or was not up within ``timeout_s`` (its output's tail is in the message).
+    """
+    out = tempfile.TemporaryFile("w+")
+    proc = subprocess.Popen([str(Path(sys.executable).with_name("rdserve")), "up", "--config", str(config)], cwd=cwd,
+                            stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                            env={**os.environ, "COLUMNS": "200", "RAY_TMPDIR": str(temp_dir)})
+    deadline = time.monotonic() + timeout_s
+    while "rdserve is up" not in read_all(out):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            stop_process_group(proc)
+            raise RuntimeError(f"rdserve up did not start:\n{read_all(out)[-3000:]}")
+        time.sleep(1)
+    return proc, out

@@ -1,4 +1,4 @@
-"""Asynchronous engine API: submit a request, stream its deltas, abort it by request id.
+"""Asynchronous engine API: submit a request, stream its deltas, abort it by closing the stream.
 
 The :class:`~workers.engine.Engine` is synchronous and not thread-safe, so one background thread owns
 it. That thread also *builds* it, and is the only thread of the process that runs the model: the
@@ -69,11 +69,6 @@ class AsyncEngine:
         """The engine thread is running (False after :meth:`shutdown` or a crash outside an iteration)."""
         return self._thread.is_alive()
 
-    @property
-    def num_requests(self) -> int:
-        """Requests submitted and not yet finished (the replica's load)."""
-        return len(self._sinks)
-
     async def call(self, fn: Callable, *args):
         """Run ``fn(*args)`` on the engine thread between iterations (tokenizer, engine queries).
 
@@ -122,10 +117,6 @@ class AsyncEngine:
             self._sinks.pop(rid, None)
             if not finished:
                 self._submit(("abort", rid))
-
-    def abort(self, request_id: str) -> None:
-        """Abort a request; its KV blocks are free before the next iteration."""
-        self._submit(("abort", request_id))
 
     def shutdown(self) -> None:
         self._stopped = True
@@ -225,7 +216,5 @@ class AsyncEngine:
                 self._deliver(d.request_id, d)
 
     def _fail_all(self, err: EngineFailure) -> None:
-        scheduler = self.engine.scheduler
-        for seq in list(scheduler.running) + list(scheduler.waiting):
-            scheduler.abort(seq.request_id)
-            self._deliver(seq.request_id, err)
+        for rid in self.engine.abort_all():
+            self._deliver(rid, err)

@@ -56,7 +56,7 @@ class StepResult:
 
 @dataclass
 class RequestState:
-    """What the runner keeps per request in ``seq.extra['state']``.
+    """What the runner keeps per request in ``seq.runner_state``.
 
     hidden: ``[hidden_size]`` base hidden state that chose the last output token (the drafter's
         context), None before the first token.
@@ -123,7 +123,7 @@ class ModelRunner:
         cursor = 0  # row of ``logits``
         for (seq, start, n), last in zip(context, last_rows):
             seq.num_computed_tokens = start + n
-            state: RequestState = seq.extra["state"]
+            state: RequestState = seq.runner_state
             if seq.is_prefill or seq.output_token_ids:
                 if not seq.is_prefill:  # recomputed after preemption: the last output token is known
                     state.hidden = hidden[last]
@@ -135,7 +135,7 @@ class ModelRunner:
             seq.output_token_ids.append(token)
             results.append(StepResult(seq, [token], 0, False))
         for row, row_start in zip(rows, row_starts):
-            seq, state = row.seq, row.seq.extra["state"]
+            seq, state = row.seq, row.seq.runner_state
             node_logits = logits[cursor : cursor + row.num_nodes]
             cursor += row.num_nodes
             if row.tree is None:
@@ -151,8 +151,8 @@ class ModelRunner:
                 copies_dst.append(self.blocks.slots(seq, L, L + len(path)))
             drafted = [] if row.tree is None else row.tree.tokens[path[1:]].tolist()
             if row.lookup:
-                seq.extra["lookup_len"] = self.lookup.next_length(
-                    seq.extra.get("lookup_len", self.lookup.num_tokens), drafted[: len(row.lookup)] == row.lookup)
+                seq.lookup.length = self.lookup.next_length(
+                    self._lookup_length(seq), drafted[: len(row.lookup)] == row.lookup)
             state.hidden = hidden[row_start + path[-1]]
             seq.num_computed_tokens = L + len(path)
             seq.output_token_ids.extend(drafted + [bonus])
@@ -170,7 +170,7 @@ class ModelRunner:
         spec = [r for r in rows if r.seq.speculative and limits.get(r.seq.request_id, draft_len) >= 1]
         if not spec:
             return rows
-        context = torch.stack([r.seq.extra["state"].hidden for r in spec])
+        context = torch.stack([r.seq.runner_state.hidden for r in spec])
         roots = torch.tensor([r.seq.output_token_ids[-1] for r in spec], device=context.device)
         beams = None
         if self.draft_search == "distinct_first" or num_beams == 1 or draft_len == 1:  # the same beams (up to near-ties)
@@ -184,18 +184,21 @@ class ModelRunner:
             budget = limits.get(r.seq.request_id, self.max_draft_depth(spec_shape))
             tree_beams = b[:, : min(draft_len, budget) + 1].tolist()
             if self.lookup is not None:
-                length = r.seq.extra.get("lookup_len", self.lookup.num_tokens)
-                r.lookup = self._lookup_beam(r.seq, min(length, budget))
+                r.lookup = self._lookup_beam(r.seq, min(self._lookup_length(r.seq), budget))
                 if r.lookup:
                     tree_beams.append([tree_beams[0][0]] + r.lookup)
             r.tree = build_prefix_tree(tree_beams)
         return rows
 
+    def _lookup_length(self, seq: Sequence) -> int:
+        """Tokens ``seq``'s next prompt-lookup beam may draft (the start length before its first beam)."""
+        return self.lookup.num_tokens if seq.lookup.length is None else seq.lookup.length
+
     def _lookup_beam(self, seq: Sequence, num_tokens: int) -> list[int]:
         """The prompt-lookup beam's drafted tokens after ``seq``'s last token, ``[]`` without a match."""
-        index = seq.extra.get("lookup")
+        index = seq.lookup.index
         if index is None:
-            index = seq.extra["lookup"] = NgramIndex(self.lookup.min_n, self.lookup.max_n)
+            index = seq.lookup.index = NgramIndex(self.lookup.min_n, self.lookup.max_n)
         index.sync(seq.prompt_token_ids, seq.output_token_ids)
         return index.propose(num_tokens)
 

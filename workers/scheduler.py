@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 from workers.block_manager import BlockManager
 from workers.sequence import Sequence, SequenceStatus
-from workers.spec_schedule import Shape, SpecSchedule, TablePolicy
+from workers.speculation.schedule import Shape, SpecSchedule, TablePolicy
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,7 @@ class SchedulerConfig:
         pass it are skipped; None = unlimited.
     lookup_tokens: tree slots a speculative step reserves beyond ``num_beams * draft_len_per_beam``
         for its prompt-lookup beam (:mod:`workers.redrafter.prompt_lookup`); 0 = none. A sequence
-        whose beam has grown (``seq.extra["lookup_len"]``, kept by the model runner, which drafts
+        whose beam has grown (``seq.lookup.length``, kept by the model runner, which drafts
         exactly that many) reserves its own length instead, so a long beam costs budget only while
         it is long.
     """
@@ -108,10 +108,6 @@ class Scheduler:
         self._by_id: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
 
-    @property
-    def has_unfinished(self) -> bool:
-        return bool(self._by_id)
-
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence behind every earlier one (sets its ``arrival_index``).
 
@@ -158,7 +154,7 @@ class Scheduler:
 
         ``spec``: a validated speculation table, or a policy (:class:`TablePolicy`, or the live
         goodput model) that gives the shape for the number of generation requests and whether each
-        speculative request drafts (``policy.drafts(seq.extra.get("spec_state"), b, shape)``).
+        speculative request drafts (``policy.drafts(seq.spec_state, b, shape)``).
         ``forced_shape``: the tree of ``force_draft`` requests in an iteration the policy decodes
         plain (then only they draft); in other iterations they draft at the policy's shape whatever
         ``policy.drafts`` says. None: they follow the policy like the others.
@@ -174,8 +170,9 @@ class Scheduler:
         for seq in generating:
             if seq.status is SequenceStatus.RUNNING:
                 drafts = bool(tree_tokens) and seq.speculative and (seq.force_draft or by_policy and policy.drafts(
-                    seq.extra.get("spec_state"), len(generating), shape))
-                lookup = seq.extra.get("lookup_len", self.config.lookup_tokens) if self.config.lookup_tokens else 0
+                    seq.spec_state, len(generating), shape))
+                lookup = 0 if not self.config.lookup_tokens else \
+                    self.config.lookup_tokens if seq.lookup.length is None else seq.lookup.length
                 self._plan_generation(seq, tree_tokens + lookup if drafts else 0, plan)
         self._plan_context_phase(plan)
         plan.spec_shape = shape if any(plan.draft_tokens) else None  # preemption may drop trees

@@ -26,7 +26,12 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from workers.model_runner import RequestState
+    from workers.redrafter.prompt_lookup import NgramIndex
+    from workers.stopping import OutputStream
 
 
 class SequenceStatus(enum.Enum):
@@ -36,6 +41,21 @@ class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
+
+
+@dataclass
+class LookupState:
+    """A request's prompt-lookup beam (:mod:`workers.redrafter.prompt_lookup`), kept by the model runner.
+
+    index: n-gram index over the request's prompt and output tokens, built at its first lookup
+        (None before).
+    length: tokens the next lookup beam may draft, set after each step that drafted one
+        (``PromptLookup.next_length``); None before: the start length (``PromptLookup.num_tokens``),
+        for which the scheduler reserves ``SchedulerConfig.lookup_tokens`` tree slots.
+    """
+
+    index: NgramIndex | None = None
+    length: int | None = None
 
 
 @dataclass(eq=False)
@@ -49,8 +69,18 @@ class Sequence:
         policy says (a request that forces ``rdserve.mode: spec``; see ``Scheduler.schedule``).
     arrival_index: FCFS position, set by ``Scheduler.add`` (-1 before).
     block_table: KV-cache block ids; token at position p lives in block ``block_table[p // block_size]``.
-    extra: engine payload (sampling parameters, output stream, drafter hidden state); the scheduler
-        and block manager never read it.
+
+    Kept by the engine and the model runner (the defaults stay on a sequence built without an engine):
+
+    runner_state: sampling parameters, seed and the drafter's context hidden state; set by the
+        engine when it queues the request, read and updated by the model runner.
+    stream: detokenizer and stop rules the engine appends each step's tokens to.
+    num_steps: generation-phase steps so far; accepted_draft_tokens: drafted tokens accepted and
+        emitted so far (the engine counts both, for its ``GenerationDelta``).
+    spec_state: the speculation policy's per-request state (``policy.new_request_state()``; opaque
+        here): the scheduler passes it to ``policy.drafts`` and the engine to ``policy.observe``.
+    lookup: the prompt-lookup beam; the model runner updates it and the scheduler reserves tree
+        slots for ``lookup.length``.
     """
 
     request_id: str
@@ -64,7 +94,12 @@ class Sequence:
     num_computed_tokens: int = 0
     num_preemptions: int = 0
     block_table: list[int] = field(default_factory=list)
-    extra: dict[str, Any] = field(default_factory=dict)
+    runner_state: RequestState | None = None
+    stream: OutputStream | None = None
+    num_steps: int = 0
+    accepted_draft_tokens: int = 0
+    spec_state: object | None = None
+    lookup: LookupState = field(default_factory=LookupState)
 
     def __post_init__(self):
         if not self.prompt_token_ids:
@@ -76,11 +111,6 @@ class Sequence:
     def num_tokens(self) -> int:
         """Prompt plus output tokens."""
         return len(self.prompt_token_ids) + len(self.output_token_ids)
-
-    @property
-    def num_uncomputed_tokens(self) -> int:
-        """Tokens without KV in the cache (>= 1 for an unfinished sequence: the last token)."""
-        return self.num_tokens - self.num_computed_tokens
 
     @property
     def num_context_tokens(self) -> int:

@@ -101,9 +101,9 @@ def sweep_shapes(cfg: RdserveConfig, prompts: Sequence[PromptRow], shapes: Seque
         raise ValueError("acceptance: drafter.path is not set in the config, so there is nothing to measure")
     results = []
     for num_beams, draft_len in tqdm(shapes, desc="acceptance sweep", disable=not progress, leave=False):
-        shaped = cfg.model_copy(update={"engine": cfg.engine.model_copy(  # the shape, not the config's schedule
-            update={"num_beams": num_beams, "draft_len_per_beam": draft_len, "spec_schedule": None,
-                    "spec_schedule_by_kernel": None})})
+        shaped = cfg.model_copy(update={"speculation": cfg.speculation.model_copy(  # the shape, not the config's policy
+            update={"num_beams": num_beams, "draft_len_per_beam": draft_len, "policy": "fixed", "table": None,
+                    "calibration": None, "by_compute_path": None})})
         engine = build_engine(shaped)
         results.append({"num_beams": num_beams, "draft_len_per_beam": draft_len,
                         "by_category": measure_engine(engine, prompts, max_tokens)})
@@ -116,6 +116,6 @@ def parse_shapes(text: str) -> list[tuple[int, int]]:
     Raises:
         ValueError: a malformed or non-positive item.
     """
-    from cluster.goodput import parse_shape
+    from workers.speculation.shape import DraftShape
 
-    return [parse_shape(x.strip()) for x in text.split(",") if x.strip()]
+    return DraftShape.parse_list(text)

@@ -13,10 +13,19 @@ import platform
 import httpx
 
 from cluster.config import RdserveConfig, check_startable
-from workers.spec_schedule import schedule_text
+from workers.speculation.schedule import schedule_text
 
 PACKAGES = ("torch", "transformers", "ray", "rdserve")
 
+
+
+def speculation_text(spec) -> str:
+    """``speculation`` in one line: ``auto (calibration ...)``, ``off``, ``fixed 2x2`` or a table's rows."""
+    if spec.policy == "auto":
+        return f"auto (the goodput model; calibration {spec.calibration.name if spec.calibration else 'per compute path'})"
+    if spec.policy == "table":
+        return schedule_text(spec.table)
+    return "off" if spec.policy == "off" else f"fixed {spec.num_beams}x{spec.draft_len_per_beam} at every batch size"
 
 
 def engine_features(cfg: RdserveConfig) -> dict[str, str]:
@@ -28,10 +37,12 @@ def engine_features(cfg: RdserveConfig) -> dict[str, str]:
                               f"iteration, prefill chunks of {eng.max_prefill_chunk or eng.max_num_tokens}",
         "paged_kv_cache": f"yes: blocks of {eng.tokens_per_block} tokens, {kv}",
         "empty_sub_batch": "yes: iterations with only context or only generation requests",
-        "speculation_schedule": schedule_text(eng.spec_schedule),
-        **({"speculation_schedule_by_kernel": "; ".join(f"{k}: {schedule_text(v)}" for k, v in eng.spec_schedule_by_kernel.items())
-            + " (a replica on one of these kernels takes that table, and router.spec_max_load follows it; "
-              "the server's /health names its kernel)"} if eng.spec_schedule_by_kernel else {}),
+        "speculation_policy": speculation_text(cfg.speculation),
+        **({"speculation_by_compute_path": "; ".join(
+            f"{k}: {schedule_text(v.table) if v.table is not None else f'calibration {v.calibration.name}'}"
+            for k, v in cfg.speculation.by_compute_path.items())
+            + " (a replica on one of these compute paths takes its entry; the server's /health names its path)"}
+           if cfg.speculation.by_compute_path else {}),
         "tensor_parallel": f"tp_size {eng.tp_size} over MPI" if eng.tp_size > 1 else "tp_size 1",
     }
 
@@ -73,8 +84,9 @@ def check_compatibility(cfg: RdserveConfig, base_url: str | None = None,
         "tp_size": eng.tp_size,
         "max_seq_len": eng.max_seq_len,
         "redrafter": {"drafter": str(cfg.drafter.path) if cfg.drafter.path else None,
-                      "num_beams": eng.num_beams, "draft_len_per_beam": eng.draft_len_per_beam},
-        "router": {"spec_max_load": cfg.router.spec_max_load, "default_mode": cfg.router.default_mode},
+                      "num_beams": cfg.speculation.num_beams, "draft_len_per_beam": cfg.speculation.draft_len_per_beam},
+        "speculation": {"policy": cfg.speculation.policy, "spec_max_load": cfg.speculation.spec_max_load,
+                        "default_mode": cfg.speculation.default_mode},
         "replicas": cfg.serve.replicas,
         "features": engine_features(cfg),
         "versions": package_versions(),

@@ -42,7 +42,7 @@ def parse_steps(text: str) -> list[str]:
 
 def default_shapes(cfg: RdserveConfig) -> list[tuple[int, int]]:
     """The configured shape, one beam of the same length, and half the draft length."""
-    b, d = cfg.engine.num_beams, cfg.engine.draft_len_per_beam
+    b, d = cfg.speculation.num_beams, cfg.speculation.draft_len_per_beam
     return list(dict.fromkeys([(1, d), (b, max(1, d // 2)), (b, d)]))
 
 

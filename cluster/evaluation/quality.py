@@ -134,6 +134,7 @@ def engine_top2_gap(cfg) -> GapFn:
     import torch
 
     from cluster.local_engine import build_engine
+    from workers.forward_batch import contiguous_batch
 
     engine = build_engine(cfg)
 

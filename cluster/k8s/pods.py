@@ -10,7 +10,7 @@ from pathlib import Path, PurePosixPath
 
 from cluster.auth import ApiKeySource
 from cluster.config import ConfigError, RdserveConfig
-from cluster.serve_config import PROJECT_ROOT
+from cluster.app_args import PROJECT_ROOT
 
 IMAGE_PROJECT_DIR = PurePosixPath("/opt/rdserve")
 """Where k8s/Dockerfile puts the project (installed editable): the builder's project root in a pod."""

@@ -72,7 +72,7 @@ def alert_rules(t: AlertThresholds = AlertThresholds()) -> dict:
                "mean acceptance length {{ $value }}",
                f"Mean acceptance length (1 + accepted / drafts) over 10 min is below {t.min_acceptance_length} "
                "while drafting: every draft tree costs compute and saves none. The traffic has drifted from what "
-               "the drafter was trained on; use engine.spec_schedule auto (turns itself down) or retrain it."),
+               "the drafter was trained on; use speculation.policy auto (turns itself down) or retrain it."),
         _alert("RdserveReplicasFlapping",
                f"sum by (application, deployment) (changes(ray_serve_autoscaling_target_replicas[30m])) "
                f"> {t.max_replica_changes}", "0s", "warning",

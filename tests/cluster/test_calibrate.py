@@ -8,7 +8,7 @@ from typer.testing import CliRunner
 
 from cluster.cli import app
 from cluster.config import load_config
-from workers.spec_schedule import derive_schedule
+from workers.speculation.schedule import derive_schedule
 
 
 def test_calibrate_writes_the_schedule_its_figures_imply(tiny_config_path, tmp_path):

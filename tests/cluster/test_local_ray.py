@@ -6,11 +6,9 @@ own Ray (about 40 s a start on 2 cores)."""
 from __future__ import annotations
 
 import ipaddress
-import os
 import re
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -18,7 +16,7 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
-from ray_cluster import read_all, stop_process_group
+from ray_cluster import read_all, start_rdserve_up, stop_process_group
 
 from cluster.config import parse_config
 from cluster.local_ray import (LOCAL_RAY_ENV, listening, loopback_only, port_in_use, port_state,
@@ -104,17 +102,10 @@ def _free_port() -> int:
 
 def _up(config: Path, temp_dir: Path) -> tuple[subprocess.Popen, tempfile.TemporaryFile]:
     """A running ``rdserve up --config config`` (its Ray under ``temp_dir``), once it printed that it is up."""
-    out = tempfile.TemporaryFile("w+")
-    proc = subprocess.Popen([str(Path(sys.executable).with_name("rdserve")), "up", "--config", str(config)], cwd=REPO,
-                            stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                            env={**os.environ, "COLUMNS": "200", "RAY_TMPDIR": str(temp_dir)})
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while "rdserve is up" not in _read(out):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            _stop(proc)
-            pytest.fail(f"rdserve up did not start:\n{_read(out)[-3000:]}")
-        time.sleep(1)
-    return proc, out
+    try:
+        return start_rdserve_up(config, temp_dir, START_TIMEOUT_S, cwd=REPO)
+    except RuntimeError as err:
+        pytest.fail(str(err))
 
 
 _stop, _read = stop_process_group, read_all

@@ -37,9 +37,9 @@ def test_health_and_models(http):
     assert health["status"] == "ok" and health["model"] == MODEL_NAME and health["speculative_available"]
     kv = health["kv_cache"]
     assert kv["tokens"] == kv["blocks"] * kv["tokens_per_block"] and 0 <= kv["free_blocks"] <= kv["blocks"]
-    from workers.kernel_name import check_kernel_name
+    from workers.compute_path import check_compute_path_name
 
-    assert check_kernel_name(health["kernel"]) and health["spec_max_load"] >= 0  # the compute path, its threshold
+    assert check_compute_path_name(health["compute_path"]) and health["spec_max_load"] >= 0  # the compute path, its threshold
     models = http.get("/v1/models").json()
     assert models["object"] == "list" and [m["id"] for m in models["data"]] == [MODEL_NAME]
     model = http.get(f"/v1/models/{MODEL_NAME}").json()

@@ -1,6 +1,6 @@
 """Two-pool decision as a plain function: low load speculates, load moves requests to the plain pool."""
 
-from cluster.goodput import StepCosts
+from workers.speculation.goodput import StepCosts
 from cluster.pools import PoolLoad, choose_pool
 
 COSTS = StepCosts(plain_s={1: 0.030, 4: 0.040, 8: 0.060, 16: 0.110},

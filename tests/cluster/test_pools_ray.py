@@ -13,7 +13,7 @@ from ray import serve
 
 from cluster.app import deploy
 from cluster.config import PoolConfig, PoolsConfig
-from cluster.goodput import StepCosts
+from workers.speculation.goodput import StepCosts
 from cluster.pools import choose_pool
 
 MODEL_NAME = "tiny-llama"

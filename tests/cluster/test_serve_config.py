@@ -8,7 +8,8 @@ from ray.serve import Application
 
 from cluster.app import app_builder, build_app
 from cluster.config import ConfigError, load_config, parse_config
-from cluster.serve_config import PROJECT_ROOT, config_from_args, deployment_options, portable_config, serve_config
+from cluster.app_args import PROJECT_ROOT, config_from_args
+from cluster.serve_config import deployment_options, portable_config, serve_config
 
 LOCAL = PROJECT_ROOT / "configs" / "local.yaml"
 

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.goodput import StepCosts
-from cluster.spec_controller import ControllerSettings, SpecController
+from workers.speculation.goodput import StepCosts
+from workers.speculation.controller import ControllerSettings, SpecController
 from workers.engine import Engine
+from workers.engine_builder import load_engine
 from workers.sampling_params import SamplingParams
 
 # A tree pays at small batches only (plain 10 ms -> 40 ms from batch 1 to 8; a 2x3 tree 12 -> 90 ms).
@@ -20,7 +21,7 @@ COSTS = StepCosts(plain_s={1: 0.010, 2: 0.012, 4: 0.020, 8: 0.040},
 
 
 def make_engine(tiny_model_dirs, trained_drafter_dirs, controller) -> Engine:
-    return Engine(str(tiny_model_dirs["tied_gqa2"]), str(trained_drafter_dirs["tied_gqa2"]), spec_policy=controller,
+    return load_engine(str(tiny_model_dirs["tied_gqa2"]), str(trained_drafter_dirs["tied_gqa2"]), spec_policy=controller,
                   spec_schedule="auto", max_seq_len=256, max_batch_size=8, max_num_tokens=256, max_prefill_chunk=64,
                   tokens_per_block=4, num_kv_blocks=800)
 
@@ -76,7 +77,7 @@ def test_hard_traffic_turns_speculation_off_by_itself(tiny_model_dirs, trained_d
     monkeypatch.setattr(engine.runner, "run", rejecting)
     spec = decode_all(engine, ids, "spec", max_tokens=60)
     assert spec == plain
-    assert controller.current is None and controller.switches >= 1 and controller.speculative_tau() < 1.3
+    assert controller.current is None and controller.switches >= 1 and min(controller.taus().values()) < 1.3
 
 
 @pytest.mark.parametrize("batch", [3])
@@ -90,7 +91,7 @@ def test_per_request_gating_keeps_outputs(tiny_model_dirs, trained_drafter_dirs,
     real = controller.drafts
 
     def drafts(state, b, shape):
-        state["tau"] = 1.0  # every request looks hopeless: only probes draft
+        state.tau = 1.0  # every request looks hopeless: only probes draft
         decision = real(state, b, shape)
         gated.append(decision)
         return decision
@@ -115,7 +116,7 @@ def test_each_compute_path_reads_its_own_calibration(tiny_config, tmp_path):
     from cluster.local_engine import build_engine
 
     plain_cfg = tiny_config.model_copy(update={"engine": tiny_config.engine.model_copy(update={"spec_schedule": "off"})})
-    kernel = build_engine(plain_cfg).kernel
+    kernel = build_engine(plain_cfg).compute_path
 
     def engine_with(**update):
         eng = tiny_config.engine.model_copy(update={"spec_schedule": "auto", **update})

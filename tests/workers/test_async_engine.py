@@ -16,13 +16,13 @@ SCRIPT = textwrap.dedent("""
     import asyncio, ctypes, sys, threading
     import torch
     from workers.async_engine import AsyncEngine
-    from workers.engine import Engine
+    from workers.engine_builder import load_engine
     from workers.sampling_params import SamplingParams
 
     built_on = []
     def build():
         built_on.append(threading.current_thread().name)
-        return Engine(sys.argv[1], None, num_threads=2, max_seq_len=64, num_kv_blocks=64, tokens_per_block=4)
+        return load_engine(sys.argv[1], None, num_threads=2, max_seq_len=64, num_kv_blocks=64, tokens_per_block=4)
 
     engine = AsyncEngine(build)
     async def main():
@@ -65,10 +65,10 @@ def test_a_call_cancelled_while_queued_leaves_the_engine_thread_running(tiny_mod
     import time
 
     from workers.async_engine import AsyncEngine
-    from workers.engine import Engine
+    from workers.engine_builder import load_engine
     from workers.sampling_params import SamplingParams
 
-    engine = AsyncEngine(lambda: Engine(str(tiny_model_dirs["tied_gqa2"]), None, num_threads=1, max_seq_len=64,
+    engine = AsyncEngine(lambda: load_engine(str(tiny_model_dirs["tied_gqa2"]), None, num_threads=1, max_seq_len=64,
                                         num_kv_blocks=64, tokens_per_block=4))
 
     async def main():
@@ -96,10 +96,10 @@ def test_a_dead_engine_thread_fails_requests_in_flight_and_later_ones_at_once(ti
     import pytest
 
     from workers.async_engine import AsyncEngine, EngineFailure
-    from workers.engine import Engine
+    from workers.engine_builder import load_engine
     from workers.sampling_params import SamplingParams
 
-    engine = AsyncEngine(lambda: Engine(str(tiny_model_dirs["tied_gqa2"]), None, num_threads=1, max_seq_len=256,
+    engine = AsyncEngine(lambda: load_engine(str(tiny_model_dirs["tied_gqa2"]), None, num_threads=1, max_seq_len=256,
                                         num_kv_blocks=64, tokens_per_block=4))
 
     def die():
@@ -134,10 +134,10 @@ def test_step_time_stat_leaves_prefill_iterations_out(tiny_model_dirs, monkeypat
     import time
 
     from workers.async_engine import AsyncEngine
-    from workers.engine import Engine
+    from workers.engine_builder import load_engine
     from workers.sampling_params import SamplingParams
 
-    engine = AsyncEngine(lambda: Engine(str(tiny_model_dirs["tied_gqa2"]), None, num_threads=1, max_seq_len=256,
+    engine = AsyncEngine(lambda: load_engine(str(tiny_model_dirs["tied_gqa2"]), None, num_threads=1, max_seq_len=256,
                                         num_kv_blocks=64, tokens_per_block=4))
     real_run = engine.engine.runner.run
 
@@ -166,7 +166,7 @@ def test_a_failing_iteration_leaves_its_finished_requests_to_the_failure_handlin
     import pytest
 
     from workers.async_engine import AsyncEngine, EngineFailure
-    from workers.engine import Engine
+    from workers.engine_builder import load_engine
     from workers.sampling_params import SamplingParams
     from workers.stopping import OutputStream
 
@@ -181,7 +181,7 @@ def test_a_failing_iteration_leaves_its_finished_requests_to_the_failure_handlin
         return out
 
     monkeypatch.setattr(OutputStream, "append", failing_append)
-    engine = Engine(str(tiny_model_dirs["tied_gqa2"]), None, num_threads=1, max_seq_len=128,
+    engine = load_engine(str(tiny_model_dirs["tied_gqa2"]), None, num_threads=1, max_seq_len=128,
                     num_kv_blocks=64, tokens_per_block=4)
     engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=3, ignore_eos=True), "plain")
     engine.add_request("b", [5, 6, 8], SamplingParams(max_tokens=50, ignore_eos=True), "plain")
@@ -193,7 +193,7 @@ def test_a_failing_iteration_leaves_its_finished_requests_to_the_failure_handlin
 
     # the same through the engine thread: both clients get the failure, nothing hangs, blocks free
     a_done.clear()
-    async_engine = AsyncEngine(lambda: Engine(str(tiny_model_dirs["tied_gqa2"]), None, num_threads=1,
+    async_engine = AsyncEngine(lambda: load_engine(str(tiny_model_dirs["tied_gqa2"]), None, num_threads=1,
                                               max_seq_len=128, num_kv_blocks=64, tokens_per_block=4))
 
     async def drain(prompt, max_tokens):

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from workers.engine import Engine
+from workers.engine_builder import load_engine
 from workers.sampling_params import SamplingParams
 
 
@@ -22,7 +23,7 @@ def make_engine(tiny_model_dirs, trained_drafter_dirs, variant="tied_gqa2", **op
     opts = dict(num_beams=3, draft_len_per_beam=3, max_seq_len=256, max_batch_size=6, max_num_tokens=64,
                 max_prefill_chunk=24, tokens_per_block=4, num_kv_blocks=400)
     opts.update(options)
-    return Engine(str(tiny_model_dirs[variant]), str(trained_drafter_dirs[variant]), **opts)
+    return load_engine(str(tiny_model_dirs[variant]), str(trained_drafter_dirs[variant]), **opts)
 
 
 class PlanLog:

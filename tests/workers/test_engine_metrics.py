@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 
 from workers.engine import Engine
+from workers.engine_builder import load_engine
 from workers.engine_metrics import EngineStats
 from workers.sampling_params import SamplingParams
 
@@ -17,7 +18,7 @@ def make_engine(tiny_model_dirs, trained_drafter_dirs, **options) -> Engine:
     opts = dict(num_beams=3, draft_len_per_beam=3, max_seq_len=256, max_batch_size=6, max_num_tokens=96,
                 max_prefill_chunk=24, tokens_per_block=4, num_kv_blocks=400)
     opts.update(options)
-    engine = Engine(str(tiny_model_dirs["untied_mqa"]), str(trained_drafter_dirs["untied_mqa"]), **opts)
+    engine = load_engine(str(tiny_model_dirs["untied_mqa"]), str(trained_drafter_dirs["untied_mqa"]), **opts)
     engine.stats = EngineStats()
     return engine
 

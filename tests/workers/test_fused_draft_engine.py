@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from workers import model_runner
-from workers.engine import Engine
+from workers.engine_builder import load_engine
 from workers.kernels import build
 from workers.sampling_params import SamplingParams
 
@@ -38,7 +38,7 @@ def restricted(tiny_model_dirs, trained_drafter_dirs, tmp_path_factory):
 ])
 def test_the_engine_drafts_in_c_when_the_beams_are_the_same(restricted, monkeypatch, search, beams, depth, fused):
     model_dir, drafter_dir = restricted
-    engine = Engine(str(model_dir), str(drafter_dir), num_beams=beams, draft_len_per_beam=depth, max_seq_len=256,
+    engine = load_engine(str(model_dir), str(drafter_dir), num_beams=beams, draft_len_per_beam=depth, max_seq_len=256,
                     draft_search=search)
     assert engine.drafter.draft_vocab is not None
     python_search = {"beam": model_runner.draft_beams_batch,
@@ -76,7 +76,7 @@ def test_batched_requests_draft_together_in_c(restricted, monkeypatch):
     """Several speculative requests in one iteration share one C draft call (a row per request), and
     each output still equals its plain output alone."""
     model_dir, drafter_dir = restricted
-    engine = Engine(str(model_dir), str(drafter_dir), num_beams=2, draft_len_per_beam=2, max_seq_len=256)
+    engine = load_engine(str(model_dir), str(drafter_dir), num_beams=2, draft_len_per_beam=2, max_seq_len=256)
     real_fused = model_runner.draft_distinct_first_fused
     batch_sizes = []
 

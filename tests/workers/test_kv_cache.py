@@ -10,7 +10,7 @@ import random
 
 import torch
 
-from workers.engine import Engine
+from workers.engine_builder import load_engine
 from workers.forward_batch import AttentionGroup
 from workers.kv_cache import KVCache
 from workers.sampling_params import SamplingParams
@@ -47,7 +47,7 @@ def test_read_gathers_block_table_slots_and_views_runs():
 def test_committed_slots_equal_plain_decoding(tiny_model_dirs, trained_drafter_dirs):
     """A speculative and a plain request with the same prompt decode side by side in one engine;
     after every iteration the keys/values of their common committed prefix agree."""
-    engine = Engine(str(tiny_model_dirs["tied_gqa2"]), str(trained_drafter_dirs["tied_gqa2"]), num_beams=4,
+    engine = load_engine(str(tiny_model_dirs["tied_gqa2"]), str(trained_drafter_dirs["tied_gqa2"]), num_beams=4,
                     draft_len_per_beam=4, max_seq_len=256, tokens_per_block=4, num_kv_blocks=200)
     cache, blocks = engine.executor.cache, engine.blocks
     copies = []

@@ -16,6 +16,7 @@ import pytest
 
 from tiny_gguf import weights_variant
 from workers.engine import Engine
+from workers.engine_builder import load_engine
 from workers.outputs import GenerationDelta
 from workers.kernels import build
 from workers.redrafter.drafter import DrafterConfig, ReDrafter
@@ -76,7 +77,7 @@ def engines(tiny_model_dirs, trained_drafter_dirs):
     @lru_cache(maxsize=None)
     def make(variant: str, num_beams: int, draft_len: int, lookup_tokens: int = 0, lookup_min: int = 2,
              lookup_max_tokens: int | None = None, draft_search: str = "beam") -> Engine:
-        engine = Engine(str(tiny_model_dirs[variant]), str(trained_drafter_dirs[variant]),
+        engine = load_engine(str(tiny_model_dirs[variant]), str(trained_drafter_dirs[variant]),
                         num_beams=num_beams, draft_len_per_beam=draft_len, max_seq_len=256,
                         prompt_lookup_num_tokens=lookup_tokens, prompt_lookup_min=lookup_min, prompt_lookup_max=3,
                         prompt_lookup_max_num_tokens=lookup_max_tokens, draft_search=draft_search)
@@ -251,7 +252,7 @@ def test_greedy_spec_matches_plain_on_default_model(tmp_path, weights):
                             base.lm_head.weight.detach().clone())
         drafter_dir = tmp_path / "drafter"
         drafter.save(drafter_dir)
-    engine = Engine(str(model_dir), str(drafter_dir), num_beams=4, draft_len_per_beam=4, weights=weights)
+    engine = load_engine(str(model_dir), str(drafter_dir), num_beams=4, draft_len_per_beam=4, weights=weights)
     assert (engine.weights is not None) == (weights == "gguf")
     questions = ("What is the capital of France?", "Write a haiku about the sea.",
                  "List three prime numbers and explain why they are prime.")
@@ -281,9 +282,9 @@ def test_greedy_spec_matches_plain_on_int8_activations(tiny_model_dirs, trained_
         variant = weights_variant(VARIANTS[case % 2], "gguf")
         shape = dict(num_beams=rng.randint(1, 4), draft_len_per_beam=rng.randint(1, 4),
                      prompt_lookup_num_tokens=rng.choice([0, 4]), prompt_lookup_min=1, max_seq_len=256)
-        engine = Engine(str(tiny_model_dirs[variant]), str(trained_drafter_dirs[variant]),
+        engine = load_engine(str(tiny_model_dirs[variant]), str(trained_drafter_dirs[variant]),
                         decode_activations="int8", **shape)
-        assert engine.decode_activations == "int8" and engine.kernel == f"gguf-{isa}-int8"
+        assert engine.decode_activations == "int8" and engine.compute_path == f"gguf-{isa}-int8"
         linears = [m for m in [*engine.model.modules(), *engine.drafter.modules()] if isinstance(m, QuantLinear)]
         assert {(m.isa, m.int8_kernel) for m in linears} == {(isa, int8_kernel)}
         prompt = random_prompt(rng, len(engine.tokenizer))
@@ -293,7 +294,7 @@ def test_greedy_spec_matches_plain_on_int8_activations(tiny_model_dirs, trained_
         assert_same(spec, plain, f"case {case}: {variant} {shape}")
         multi += sum(a >= 2 for a in spec.step_accepted)
         if case < 4:
-            reference = Engine(str(tiny_model_dirs[variant]), None, max_seq_len=256, decode_activations="float32")
+            reference = load_engine(str(tiny_model_dirs[variant]), None, max_seq_len=256, decode_activations="float32")
             differs += run(reference, prompt, params, "plain").token_ids != plain.token_ids
     assert multi >= 10, "the drafter was rarely accepted; the comparison is weak"
     assert differs >= 1, "int8 activations gave the float32 kernel's output on every prompt: not in effect?"

@@ -9,7 +9,7 @@ import pytest
 from workers.block_manager import BlockManager
 from workers.scheduler import Scheduler, SchedulerConfig
 from workers.sequence import Sequence, SequenceStatus
-from workers.spec_schedule import validate_schedule
+from workers.speculation.schedule import validate_schedule
 
 SPEC_2X2 = validate_schedule([{"max_batch_size": 2, "num_beams": 2, "draft_len_per_beam": 2}])
 
@@ -36,10 +36,10 @@ def run_generation(plan, accepted: int = 0) -> None:
 
 def test_sequence_phases_and_recompute_context():
     s = make("a", 5)
-    assert (s.num_tokens, s.num_context_tokens, s.is_prefill, s.num_uncomputed_tokens) == (5, 5, True, 5)
+    assert (s.num_tokens, s.num_context_tokens, s.is_prefill, s.num_computed_tokens) == (5, 5, True, 0)
     s.num_computed_tokens = 5
     s.output_token_ids = [1]
-    assert (s.num_tokens, s.num_context_tokens, s.is_prefill, s.num_uncomputed_tokens) == (6, 5, False, 1)
+    assert (s.num_tokens, s.num_context_tokens, s.is_prefill, s.num_tokens - s.num_computed_tokens) == (6, 5, False, 1)
     s.output_token_ids += [2, 3]
     s.num_computed_tokens = 0  # preempted: recompute prompt + outputs except the last
     assert (s.num_context_tokens, s.is_prefill) == (7, True)
@@ -138,7 +138,7 @@ def test_a_prompt_lookup_beam_reserves_its_slots_and_counts_against_the_budget()
     tight.add(b)
     run_context(tight.schedule())
     assert tight.schedule(SPEC_2X2).draft_tokens == [0]  # 1 + 7 tokens > 7: a plain step
-    a.extra["lookup_len"] = 1  # a grown (or reset) beam reserves its own length, not the start length
+    a.lookup.length = 1  # a grown (or reset) beam reserves its own length, not the start length
     run_generation(plan)
     assert sched.schedule(SPEC_2X2).draft_tokens == [5]
     with pytest.raises(ValueError, match="lookup_tokens"):
@@ -219,7 +219,7 @@ def test_abort_frees_blocks_of_running_and_waiting():
     assert a.status is SequenceStatus.RUNNING and b.status is SequenceStatus.WAITING
     assert sched.abort("a") is a and a.status is SequenceStatus.FINISHED and bm.num_free_blocks == 8
     assert sched.abort("a") is None
-    assert sched.abort("b") is b and not sched.has_unfinished
+    assert sched.abort("b") is b and not sched.running and not sched.waiting
 
 
 def test_oldest_request_progresses_under_a_stream_of_newer_ones():
@@ -258,25 +258,25 @@ def test_random_traffic_finishes_every_request_and_frees_every_block(seed):
         {"max_batch_size": 4, "num_beams": 0, "draft_len_per_beam": 0},
         {"max_batch_size": 5, "num_beams": 1, "draft_len_per_beam": 2},
     ])
-    pending = []
+    pending, stop_at, abort_at = [], {}, {}
     for i in range(300):
         prompt_len = rng.randint(1, 40)
         max_tokens = rng.randint(1, 40)
         s = make(f"r{i}", prompt_len, max_tokens=max_tokens, speculative=rng.random() < 0.7)
-        s.extra["stop_at"] = rng.randint(1, max_tokens)  # an EOS before max_tokens
-        s.extra["abort_at"] = rng.randint(0, 400) if rng.random() < 0.1 else None
+        stop_at[s.request_id] = rng.randint(1, max_tokens)  # an EOS before max_tokens
+        abort_at[s.request_id] = rng.randint(0, 400) if rng.random() < 0.1 else None
         pending.append(s)
     finished, aborted, first_admitted = [], [], []
     seen = {"no_context": 0, "no_generation": 0, "preempted": 0, "tree_and_plain": 0}
     iteration = 0
-    while pending or sched.has_unfinished:
+    while pending or sched.running or sched.waiting:
         iteration += 1
         assert iteration < 20_000
         for _ in range(rng.choice([0, 0, 1, 2, 3])):
             if pending:
                 sched.add(pending.pop(0))
         for s in list(sched.running) + list(sched.waiting):
-            if s.extra["abort_at"] == iteration:
+            if abort_at[s.request_id] == iteration:
                 assert sched.abort(s.request_id) is s
                 aborted.append(s)
         oldest_running = sched.running[0] if sched.running else None
@@ -290,7 +290,7 @@ def test_random_traffic_finishes_every_request_and_frees_every_block(seed):
         assert all(s.status is SequenceStatus.RUNNING for s in planned)
         assert all(s.status is SequenceStatus.WAITING and s not in planned for s in plan.preempted)
         assert oldest_running is None or oldest_running not in plan.preempted
-        if sched.has_unfinished:
+        if sched.running or sched.waiting:
             assert planned, "an iteration with work left planned nothing"
         running_ids = [s.arrival_index for s in sched.running]
         waiting_ids = [s.arrival_index for s in sched.waiting]
@@ -324,13 +324,13 @@ def test_random_traffic_finishes_every_request_and_frees_every_block(seed):
             s.num_computed_tokens += 1 + accepted
             s.output_token_ids += [2] * (1 + accepted)
         for s in planned:
-            if len(s.output_token_ids) >= s.extra["stop_at"] and s.status is SequenceStatus.RUNNING:
+            if len(s.output_token_ids) >= stop_at[s.request_id] and s.status is SequenceStatus.RUNNING:
                 sched.finish(s)
                 finished.append(s)
 
     assert len(finished) + len(aborted) == 300
     assert all(s.status is SequenceStatus.FINISHED for s in finished + aborted)
-    assert all(len(s.output_token_ids) >= s.extra["stop_at"] for s in finished)
+    assert all(len(s.output_token_ids) >= stop_at[s.request_id] for s in finished)
     assert bm.num_free_blocks == bm.num_blocks
     assert first_admitted == sorted(first_admitted, key=lambda r: int(r[1:]))
     assert all(seen.values()) and aborted, seen

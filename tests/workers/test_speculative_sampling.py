@@ -16,6 +16,7 @@ from scipy.stats import chi2_contingency
 
 from tiny_gguf import weights_variant
 from workers.engine import Engine
+from workers.engine_builder import load_engine
 from workers.sampling_params import SamplingParams
 
 RUNS = 1200
@@ -30,7 +31,7 @@ def engines(tiny_model_dirs, trained_drafter_dirs):
     def get(weights: str = "float32") -> Engine:
         if weights not in made:
             name = weights_variant("tied_sharp", weights)
-            made[weights] = Engine(str(tiny_model_dirs[name]), str(trained_drafter_dirs[name]),
+            made[weights] = load_engine(str(tiny_model_dirs[name]), str(trained_drafter_dirs[name]),
                                    num_beams=4, draft_len_per_beam=3, max_seq_len=128)
             assert (made[weights].weights is not None) == (weights == "gguf")
         return made[weights]
@@ -104,7 +105,7 @@ def test_spec_sampling_with_a_prompt_lookup_beam_matches_plain_distribution(tiny
     (the sharp tiny model often repeats what it sampled, which the lookup beam drafts): the output
     distribution is still the base model's at every position, and steps that accept 2+ draft tokens
     (only the lookup beam reaches that deep) occur in many runs."""
-    engine = Engine(str(tiny_model_dirs["tied_sharp"]), str(trained_drafter_dirs["tied_sharp"]),
+    engine = load_engine(str(tiny_model_dirs["tied_sharp"]), str(trained_drafter_dirs["tied_sharp"]),
                     num_beams=1, draft_len_per_beam=1, max_seq_len=128,
                     prompt_lookup_num_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3)
     rng = random.Random(11)
@@ -154,7 +155,7 @@ def test_a_seed_gives_the_same_text_with_and_without_drafting(engines, tiny_mode
     not depend on the decoding mode the router picks (the same rows compute the same bits)."""
     wide = engines(weights)
     name = weights_variant("tied_sharp", weights)
-    narrow = Engine(str(tiny_model_dirs[name]), str(trained_drafter_dirs[name]), num_beams=1, draft_len_per_beam=1,
+    narrow = load_engine(str(tiny_model_dirs[name]), str(trained_drafter_dirs[name]), num_beams=1, draft_len_per_beam=1,
                     max_seq_len=128, prompt_lookup_num_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3)
     rng = random.Random(13)
     prompt = [rng.randrange(3, len(wide.tokenizer)) for _ in range(12)]

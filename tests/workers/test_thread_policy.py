@@ -4,7 +4,7 @@ given back, probes at a bounded rate, and never changes an engine's output."""
 import pytest
 import torch
 
-from workers.engine import Engine
+from workers.engine_builder import load_engine
 from workers.sampling_params import SamplingParams
 from workers.thread_policy import ThreadPolicy, candidate_counts, size_class
 
@@ -115,7 +115,7 @@ def test_an_engine_gives_the_same_output_whatever_its_threads_do(tiny_model_dirs
         torch.set_num_threads(2)
         outputs = {}
         for adaptive in (False, True):
-            engine = Engine(model, drafter, num_beams=2, draft_len_per_beam=2, max_seq_len=128, num_kv_blocks=64,
+            engine = load_engine(model, drafter, num_beams=2, draft_len_per_beam=2, max_seq_len=128, num_kv_blocks=64,
                             adaptive_threads=adaptive)
             assert (engine.thread_policy is not None) == adaptive
             outputs[adaptive] = [[t for mode in ("plain", "spec")

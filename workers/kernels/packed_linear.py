@@ -130,10 +130,23 @@ def _shared_parameters(module: torch.nn.Module) -> set[int]:
     return {k for k, n in seen.items() if n > 1}
 
 
+def use_input_major_weights(module: torch.nn.Module) -> None:
+    """Store every Linear weight ``[out, in]`` with input-major strides (a transposed view of an
+    ``[in, out]`` contiguous tensor).
+
+    Values are unchanged; on CPU, MKL's float32 GEMM for one row and for 4-16 rows runs faster
+    with this layout (``benchmarks/linear_kernels.py``). The engine uses it only where the packed
+    kernels (:func:`pack_linears`) are unavailable.
+    """
+    for m in module.modules():
+        if isinstance(m, torch.nn.Linear) and m.weight.is_contiguous():
+            m.weight.data = m.weight.data.t().contiguous().t()
+
+
 def prepare_cpu_inference(module: torch.nn.Module) -> bool:
     """Make a float32 CPU module fast for inference: :func:`pack_linears`, or where the kernels
     are unavailable the input-major weight layout torch's GEMM prefers
-    (:func:`workers.models.loader.use_input_major_weights`); and every submodule with a
+    (:func:`use_input_major_weights`); and every submodule with a
     ``use_cpu_kernels(isa)`` method (:class:`~workers.models.llama.LlamaModel`: norms, RoPE,
     attention in C) is switched to the kernels when they are available. Returns True when packed.
     Modules in other dtypes or on other devices are left alone (bfloat16 runs on oneDNN/AMX, which
@@ -148,7 +161,5 @@ def prepare_cpu_inference(module: torch.nn.Module) -> bool:
             m.use_cpu_kernels(isa)
     if packed:
         return True
-    from workers.models.loader import use_input_major_weights
-
     use_input_major_weights(module)
     return False

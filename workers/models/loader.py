@@ -84,19 +84,6 @@ def load_model(
     return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
 
 
-def use_input_major_weights(module: torch.nn.Module) -> None:
-    """Store every Linear weight ``[out, in]`` with input-major strides (a transposed view of an
-    ``[in, out]`` contiguous tensor).
-
-    Values are unchanged; on CPU, MKL's float32 GEMM for one row and for 4-16 rows runs faster
-    with this layout (``benchmarks/linear_kernels.py``). The engine uses it only where the packed
-    kernels (:mod:`workers.kernels.packed_linear`) are unavailable.
-    """
-    for m in module.modules():
-        if isinstance(m, torch.nn.Linear) and m.weight.is_contiguous():
-            m.weight.data = m.weight.data.t().contiguous().t()
-
-
 def _check_keys(model: torch.nn.Module, state: dict) -> tuple[list[str], list[str]]:
     expected = set(model.state_dict().keys())
     if model.config.tie_word_embeddings:

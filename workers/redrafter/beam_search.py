@@ -14,24 +14,6 @@ from workers.redrafter.drafter import ReDrafter
 
 
 @torch.inference_mode()
-def draft_beams(
-    drafter: ReDrafter,
-    embed,
-    context: torch.Tensor,
-    root_token: int,
-    num_beams: int,
-    draft_len_per_beam: int,
-) -> torch.Tensor:
-    """Beams for one sequence: :func:`draft_beams_batch` with a batch of one.
-
-    Returns:
-        beams: ``[num_beams, draft_len_per_beam + 1] long``; column 0 is ``root_token``.
-    """
-    roots = torch.tensor([root_token], device=context.device)
-    return draft_beams_batch(drafter, embed, context[None], roots, num_beams, draft_len_per_beam)[0]
-
-
-@torch.inference_mode()
 def draft_beams_batch(
     drafter: ReDrafter,
     embed,

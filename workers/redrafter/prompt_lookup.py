@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class PromptLookup:
-    """Settings of the prompt-lookup beam (``engine.prompt_lookup_*`` in the YAML).
+    """Settings of the prompt-lookup beam (``speculation.prompt_lookup_*`` in the YAML).
 
     min_n, max_n: n-gram sizes matched, longest first (vLLM's ``prompt_lookup_min``/``max``).
     num_tokens: tokens the beam drafts (it may be longer than ``draft_len_per_beam``: it costs no

@@ -24,6 +24,7 @@ import os
 import pickle
 import socket
 import time
+from collections.abc import MutableMapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -58,6 +59,18 @@ def process_alive(pid: int) -> bool:
     except (FileNotFoundError, ProcessLookupError):
         return False
     return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+
+
+def pin_rank_gpu(gpus: Sequence[str], rank: int, environ: MutableMapping[str, str] = os.environ) -> None:
+    """Make ``gpus[rank]`` the only GPU this process sees (``CUDA_VISIBLE_DEVICES``; its device is then
+    ``cuda:0``). Call before CUDA is initialised.
+
+    Raises:
+        IndexError: ``rank`` has no entry in ``gpus``.
+    """
+    if not 0 <= rank < len(gpus):
+        raise IndexError(f"TP rank {rank} has no GPU in {list(gpus)}")
+    environ["CUDA_VISIBLE_DEVICES"] = str(gpus[rank])
 
 
 class Communicator:

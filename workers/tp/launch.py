@@ -16,9 +16,8 @@ Two ways, chosen by how this process was started:
 from __future__ import annotations
 
 import atexit
-import os
 import sys
-from collections.abc import MutableMapping, Sequence
+from collections.abc import Sequence
 
 from workers.tp.comm import LEADER, Communicator, group_failed, make_communicator
 from workers.tp.mpi import MPI
@@ -27,7 +26,7 @@ from workers.tp.mpi import MPI
 def start_group(tp_size: int, backend: str, gpus: Sequence[str] | None = None) -> Communicator:
     """The leader's communicator of a new group of ``tp_size`` ranks.
 
-    ``gpus``: spawned rank r (r >= 1) sees only GPU ``gpus[r]`` (:func:`pin_rank_gpu`); ``gpus[0]`` is
+    ``gpus``: spawned rank r (r >= 1) sees only GPU ``gpus[r]`` (:func:`~workers.tp.comm.pin_rank_gpu`); ``gpus[0]`` is
     the leader's, already set by whoever started it (Ray). None: rank r uses GPU ``r % count`` of
     what it sees (also under ``mpiexec``, where ``gpus`` is not used).
 
@@ -66,18 +65,6 @@ def start_group(tp_size: int, backend: str, gpus: Sequence[str] | None = None) -
             "run the replica under `mpiexec -n tp_size` instead"
         ) from e
     return make_communicator(link.Merge(high=False), backend, link)
-
-
-def pin_rank_gpu(gpus: Sequence[str], rank: int, environ: MutableMapping[str, str] = os.environ) -> None:
-    """Make ``gpus[rank]`` the only GPU this process sees (``CUDA_VISIBLE_DEVICES``; its device is then
-    ``cuda:0``). Call before CUDA is initialised.
-
-    Raises:
-        IndexError: ``rank`` has no entry in ``gpus``.
-    """
-    if not 0 <= rank < len(gpus):
-        raise IndexError(f"TP rank {rank} has no GPU in {list(gpus)}")
-    environ["CUDA_VISIBLE_DEVICES"] = str(gpus[rank])
 
 
 def _finalize_world() -> None:

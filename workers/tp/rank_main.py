@@ -6,7 +6,7 @@ A rank that fails (an exception, or a peer that died) exits with status 1; the l
 :class:`~workers.tp.comm.RankFailure` at its next wait.
 
 Entry point of spawned ranks: ``python -m workers.tp.rank_main BACKEND [GPU0,GPU1,...]``; with the
-GPU list, rank r sees only GPU r of it (:func:`workers.tp.launch.pin_rank_gpu`).
+GPU list, rank r sees only GPU r of it (:func:`workers.tp.comm.pin_rank_gpu`).
 """
 
 from __future__ import annotations
@@ -18,8 +18,7 @@ import traceback
 import torch
 
 from workers.models.loader import load_model
-from workers.tp.comm import Communicator, RankFailure, make_communicator
-from workers.tp.launch import pin_rank_gpu
+from workers.tp.comm import Communicator, RankFailure, make_communicator, pin_rank_gpu
 from workers.tp.mpi import MPI
 from workers.tp.wire import OPS, unpack
 from workers.tp.worker import ShardWorker

@@ -92,7 +92,7 @@ def train(
         check_init_from(init_from, head_type, num_draft_layers)
     import torch
 
-    from workers.engine import Engine
+    from workers.engine_builder import load_engine
     from workers.models.loader import load_model
     from workers.models.pull import pull_default
     from workers.models.tokenizer import apply_chat_template, load_tokenizer
@@ -126,9 +126,9 @@ def train(
         train_rows = train_rows[:max_prompts]
     eos = set(base.config.eos_token_id) | ({tok.eos_token_id} if tok.eos_token_id is not None else set())
     if gen_with == "engine":
-        gen_model = Engine(str(model_dir), None, dtype=gen_dtype, max_batch_size=gen_batch_size,
+        gen_model = load_engine(str(model_dir), None, dtype=gen_dtype, max_batch_size=gen_batch_size,
                            max_seq_len=max_prompt_tokens + max_new_tokens + 1, decode_activations="auto")
-        gen_with = f"engine:{gen_model.kernel}"
+        gen_with = f"engine:{gen_model.compute_path}"
     else:
         gen_model = base if gen_dtype == "float32" else load_model(model_dir, dtype=getattr(torch, gen_dtype))
     settings = {"model": str(Path(model_dir).resolve()), "max_new_tokens": max_new_tokens, "gen_dtype": gen_dtype,
@@ -163,7 +163,7 @@ def train(
     if eval_prompts > 0 and held_rows:
         console.print(f"[bold]3/3[/] held-out tokens per step on up to {eval_prompts} prompts")
         del base
-        engine = Engine(str(model_dir), str(out), num_beams=num_beams, draft_len_per_beam=draft_len_per_beam)
+        engine = load_engine(str(model_dir), str(out), num_beams=num_beams, draft_len_per_beam=draft_len_per_beam)
         report["heldout_tokens_per_step"] = tokens_per_step_by_category(engine, _balanced(held_rows, eval_prompts), 128)
         report["heldout_beam_shape"] = {"num_beams": num_beams, "draft_len_per_beam": draft_len_per_beam}
         (out / "train_report.json").write_text(json.dumps(report, indent=2) + "\n")
@@ -188,14 +188,12 @@ def _per_category(rows: list[dict], n: int) -> list[dict]:
 
 
 def _shapes(text: str) -> list[tuple[int, int]]:
+    from workers.speculation.shape import DraftShape
+
     try:
-        shapes = [tuple(int(v) for v in s.lower().split("x")) for s in text.split(",") if s.strip()]
-    except ValueError:
-        shapes = []
-    if not shapes or any(len(s) != 2 or min(s) < 1 for s in shapes):
-        raise typer.BadParameter(f"expected shapes like 1x2,2x2 (num_beams x draft_len_per_beam), got {text!r}",
-                                 param_hint="--shapes")
-    return shapes
+        return DraftShape.parse_list(text)
+    except ValueError as err:
+        raise typer.BadParameter(f"{err} (num_beams x draft_len_per_beam)", param_hint="--shapes") from None
 
 
 @drafter_app.command("interpolate")
@@ -241,11 +239,11 @@ def evaluate(
     draft_len: int = typer.Option(4, help="Drafted positions scored teacher-forced (K).", min=1),
     data_dir: Optional[Path] = typer.Option(None, help="Cache of the base model's greedy responses to the prompts (float32; reused on a re-run). Default: next to --out."),
     spec: bool = typer.Option(True, help="Run speculative decoding (the served engine: the model's GGUF blocks where it has them, the drafter on Q8_0)."),
-    prompt_lookup_num_tokens: int = typer.Option(0, help="Add a prompt-lookup beam of this many tokens to every draft tree (engine.prompt_lookup_num_tokens; 0: ReDrafter beams only).", min=0),
+    prompt_lookup_num_tokens: int = typer.Option(0, help="Add a prompt-lookup beam of this many tokens to every draft tree (speculation.prompt_lookup_num_tokens; 0: ReDrafter beams only).", min=0),
     prompt_lookup_min: int = typer.Option(2, help="Shortest n-gram the prompt-lookup beam matches.", min=1),
     prompt_lookup_max: int = typer.Option(3, help="Longest n-gram the prompt-lookup beam matches.", min=1),
-    draft_search: str = typer.Option("distinct_first", help="How the drafter's beams are chosen (engine.draft_search): 'beam', ReDrafter's beam search; 'distinct_first', the num_beams most likely first tokens each continued greedily.", metavar="[beam|distinct_first]"),
-    prompt_lookup_max_num_tokens: Optional[int] = typer.Option(None, help="Let the lookup beam double after a step that accepted all of it, up to this many tokens (engine.prompt_lookup_max_num_tokens).", min=1),
+    draft_search: str = typer.Option("distinct_first", help="How the drafter's beams are chosen (speculation.draft_search): 'beam', ReDrafter's beam search; 'distinct_first', the num_beams most likely first tokens each continued greedily.", metavar="[beam|distinct_first]"),
+    prompt_lookup_max_num_tokens: Optional[int] = typer.Option(None, help="Let the lookup beam double after a step that accepted all of it, up to this many tokens (speculation.prompt_lookup_max_num_tokens).", min=1),
 ) -> None:
     """Measure a drafter on a prompt set, per category: speculative decoding (tokens per step,
     first-token acceptance; with --prompt-lookup-num-tokens, of the ReDrafter beams plus a
@@ -257,7 +255,7 @@ def evaluate(
     if prompt_lookup_min > prompt_lookup_max:
         raise typer.BadParameter(f"{prompt_lookup_min} is above --prompt-lookup-max {prompt_lookup_max}",
                                  param_hint="--prompt-lookup-min")
-    from workers.engine import Engine
+    from workers.engine_builder import load_engine
     from workers.models.loader import load_model
     from workers.models.pull import pull_default
     from workers.models.tokenizer import apply_chat_template, load_tokenizer
@@ -297,7 +295,7 @@ def evaluate(
         subset = _per_category(rows, per_category)
         report["spec"] = {}
         for nb, dl in shape_list:
-            engine = Engine(str(model_dir), str(drafter), num_beams=nb, draft_len_per_beam=dl,
+            engine = load_engine(str(model_dir), str(drafter), num_beams=nb, draft_len_per_beam=dl,
                             prompt_lookup_num_tokens=prompt_lookup_num_tokens, prompt_lookup_min=prompt_lookup_min,
                             prompt_lookup_max=prompt_lookup_max,
                             prompt_lookup_max_num_tokens=prompt_lookup_max_num_tokens, draft_search=draft_search)

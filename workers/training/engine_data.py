@@ -50,7 +50,7 @@ def generate_batch_engine(engine: Engine, prompts: list[list[int]], max_new_toke
                 if len(new) != 1:  # plain steps emit one token each
                     raise RuntimeError(f"{rid}: {len(new)} tokens in one plain step")
                 tokens[rid].append(new[0])
-                hiddens[rid].append(seq.extra["state"].hidden.to(torch.float16))
+                hiddens[rid].append(seq.runner_state.hidden.to(torch.float16))
             for d in deltas:
                 if d.finished:
                     pending.pop(d.request_id, None)

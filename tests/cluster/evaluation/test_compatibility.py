@@ -31,6 +31,6 @@ def test_a_table_is_written_row_by_row():
     engine = cfg.engine.model_copy(update={"spec_schedule": None})
     features = engine_features(cfg.model_copy(update={"engine": engine}))
     assert features["speculation_schedule"] == "fixed shape"
-    from workers.spec_schedule import schedule_text, validate_schedule
+    from workers.speculation.schedule import schedule_text, validate_schedule
 
     assert schedule_text(validate_schedule(table)) == "1x2<=2, off<=4, off above"

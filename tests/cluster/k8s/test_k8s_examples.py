@@ -54,6 +54,28 @@ def test_serve_config_command_prints_a_valid_serve_config():
     assert {d.name for d in application.deployments} == {"EngineReplica", "OpenAIIngress"}
 
 
+@pytest.mark.parametrize("preset", sorted((PROJECT_ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_preset_renders_through_the_commands(preset, tmp_path):
+    """`rdserve serve-config` and `rdserve k8s render` on every shipped preset (globbed, so a new one is
+    covered): exit 0, a valid Serve config carrying the preset, and the manifests `cluster.k8s.render`
+    gives, which tests/cluster/k8s/test_k8s_manifests.py validates against the CRD schemas for every preset.
+    Loading and check_startable of every preset: tests/cluster/test_config.py."""
+    from cluster.config import load_config, parse_config
+    from cluster.k8s.render import manifests
+
+    cfg = load_config(preset)
+    result = CliRunner().invoke(app, ["serve-config", "--config", str(preset)])
+    assert result.exit_code == 0, result.output
+    (application,) = ServeDeploySchema.model_validate(yaml.safe_load(result.stdout)).applications
+    assert parse_config(application.args["config"], PROJECT_ROOT) == cfg
+    result = CliRunner().invoke(app, ["k8s", "render", "--config", str(preset), "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    expected = manifests(cfg)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(expected)
+    for name, obj in expected.items():
+        assert yaml.safe_load((tmp_path / name).read_text()) == obj, name
+
+
 def test_image_ray_matches_the_manifests():
     import re
 

@@ -7,7 +7,7 @@ import pytest
 from typer.testing import CliRunner
 
 from cluster.cli import app
-from cluster.config import RouterConfig
+from cluster.config import SpeculationConfig
 from cluster.observability.dashboard import build_dashboard, panels
 from cluster.observability.metrics import LABEL_VALUES, METRICS, ROUTER_REASONS, exported, reason_label
 from cluster.observability.recorder import start_at_zero
@@ -35,11 +35,11 @@ def test_names_follow_vllm_with_our_prefix():
     (None, 1, True, True, "auto_goodput"), ("plain", 1, False, False, "no_drafter"),
 ])
 def test_every_router_reason_has_a_bounded_label(requested, load, per_iteration, drafter, label):
-    _, reason = choose_mode(load, requested, RouterConfig(spec_max_load=4), drafter, per_iteration)
+    _, reason = choose_mode(load, requested, SpeculationConfig(spec_max_load=4), drafter, per_iteration)
     assert reason_label(reason) == label
-    _, reason = choose_mode(1, None, RouterConfig(default_mode="plain"), True)
+    _, reason = choose_mode(1, None, SpeculationConfig(default_mode="plain"), True)
     assert reason_label(reason) == "default_mode"
-    _, reason = choose_mode(1, "spec", RouterConfig(), False, unavailable="speculation off (engine.spec_schedule)")
+    _, reason = choose_mode(1, "spec", SpeculationConfig(), False, unavailable="speculation off (speculation.policy)")
     assert reason_label(reason) == "spec_off"
 
 

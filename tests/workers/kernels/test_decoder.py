@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from workers.engine import Engine
+from workers.engine_builder import load_engine
 from workers.kernels import build
 from workers.kernels.decoder import silu_mul
 from workers.models import llama
@@ -84,7 +84,7 @@ def test_fused_decoder_equals_layer_by_layer(tiny_model_dirs, trained_drafter_di
                                              monkeypatch):
     if not build.available():
         pytest.skip("CPU kernels unavailable here (no C compiler or no AVX2, or RDSERVE_CPU_KERNELS=0)")
-    engine = Engine(str(tiny_model_dirs[variant]), str(trained_drafter_dirs[variant]), num_beams=2, draft_len_per_beam=3,
+    engine = load_engine(str(tiny_model_dirs[variant]), str(trained_drafter_dirs[variant]), num_beams=2, draft_len_per_beam=3,
                     max_seq_len=256, max_batch_size=4, max_num_tokens=48, max_prefill_chunk=12, tokens_per_block=4,
                     num_kv_blocks=300, decode_activations=activations)
     lm = engine.model.model
@@ -125,7 +125,7 @@ def test_layer_table_is_kept_and_rebuilt_when_layers_change(tiny_model_dirs, mon
     from workers.kernels.decoder import LINEAR_KINDS, fused_layers
     from workers.models.gguf_weights import use_int8_activations
 
-    engine = Engine(str(tiny_model_dirs["tied_gqa2@gguf"]), None, max_seq_len=128, num_kv_blocks=64,
+    engine = load_engine(str(tiny_model_dirs["tied_gqa2@gguf"]), None, max_seq_len=128, num_kv_blocks=64,
                     decode_activations="float32", prefill_dtype=prefill_dtype)
     assert engine.prefill_dtype == prefill_dtype
     qkv = engine.model.model.layers[0].self_attn.qkv_proj
@@ -164,7 +164,7 @@ def test_replaced_weights_and_copies_after_a_fused_step(tiny_model_dirs, trained
 
     if not build.available():
         pytest.skip("CPU kernels unavailable here (no C compiler or no AVX2, or RDSERVE_CPU_KERNELS=0)")
-    engine = Engine(str(tiny_model_dirs["tied_gqa2"]), str(trained_drafter_dirs["tied_gqa2"]), num_beams=2,
+    engine = load_engine(str(tiny_model_dirs["tied_gqa2"]), str(trained_drafter_dirs["tied_gqa2"]), num_beams=2,
                     draft_len_per_beam=2, max_seq_len=128, num_kv_blocks=64)
     lm = engine.model.model
     params = SamplingParams(max_tokens=6, ignore_eos=True)

@@ -12,7 +12,7 @@ import torch
 from gguf import GGUFReader
 from tiny_gguf import make_tiny_gguf
 
-from workers.engine import Engine
+from workers.engine_builder import load_engine
 from workers.kernels import build
 from workers.kernels.gguf_blocks import dequantize_panels
 from workers.kernels.packed_linear import PackedLinear
@@ -80,8 +80,8 @@ def test_quantized_layers_equal_the_float32_layers(gguf_dir):
 @needs_kernel
 def test_engine_serves_gguf_by_default_with_float32_output(gguf_dir):
     """weights auto picks the GGUF blocks; greedy output equals the float32 engine's token for token."""
-    gguf_engine = Engine(str(gguf_dir), None, max_seq_len=128)
-    dense_engine = Engine(str(gguf_dir), None, max_seq_len=128, weights="float32")
+    gguf_engine = load_engine(str(gguf_dir), None, max_seq_len=128)
+    dense_engine = load_engine(str(gguf_dir), None, max_seq_len=128, weights="float32")
     assert gguf_engine.weights is not None and dense_engine.weights is None
     assert isinstance(gguf_engine.model.lm_head, QuantLinear)
     params = SamplingParams(max_tokens=24, ignore_eos=True)
@@ -103,8 +103,8 @@ def test_unsupported_types_are_refused_or_fall_back(tiny_model_dirs, tmp_path):
     assert type(model.model.layers[1].mlp.down_proj) is torch.nn.Linear  # packed float32 by the executor
     assert "float32: " in report.summary() and len(report.quantized) == 7
     with pytest.raises(ValueError, match="Q5_0"):
-        Engine(str(path), None, max_seq_len=64, weights="gguf")
-    assert Engine(str(path), None, max_seq_len=64).weights.float32  # auto: served, with float32 fall-backs
+        load_engine(str(path), None, max_seq_len=64, weights="gguf")
+    assert load_engine(str(path), None, max_seq_len=64).weights.float32  # auto: served, with float32 fall-backs
 
 
 def test_where_gguf_cannot_be_served(tiny_model_dirs, gguf_dir, monkeypatch):

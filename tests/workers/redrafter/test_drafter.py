@@ -11,8 +11,16 @@ import itertools
 import pytest
 import torch
 
-from workers.redrafter.beam_search import draft_beams, draft_beams_batch
+from workers.redrafter.beam_search import draft_beams_batch
 from workers.redrafter.drafter import DrafterConfig, ReDrafter, load_drafter
+
+
+def draft_beams(drafter: ReDrafter, embed, context: torch.Tensor, root: int, num_beams: int,
+                draft_len: int) -> torch.Tensor:
+    """Beams for one sequence (``context [H]``): ``draft_beams_batch`` with a batch of one;
+    ``[num_beams, draft_len + 1] long``, column 0 is ``root``."""
+    roots = torch.tensor([root], device=context.device)
+    return draft_beams_batch(drafter, embed, context[None], roots, num_beams, draft_len)[0]
 
 
 def random_drafter(vocab: int, hidden: int, layers: int, head_type: str, seed: int = 0, std: float = 0.5):

@@ -13,6 +13,7 @@ import pytest
 from tiny_model import make_trained_tiny_drafter_dir
 from tp_models import make_tp_model_dir
 from workers.engine import Engine
+from workers.engine_builder import load_engine
 from workers.sampling_params import SamplingParams
 from workers.tp.executor import tp_executor_factory
 
@@ -48,7 +49,7 @@ def run_all(engine: Engine) -> dict[tuple[int, str], tuple[list[int], int]]:
 
 @pytest.fixture(scope="module")
 def reference(dirs):
-    engine = Engine(str(dirs[0]), str(dirs[1]), **OPTIONS)
+    engine = load_engine(str(dirs[0]), str(dirs[1]), **OPTIONS)
     try:
         return run_all(engine)
     finally:
@@ -63,7 +64,7 @@ def test_reference_is_lossless_and_speculates(reference):
 
 @pytest.mark.parametrize("tp", (2, 4, 8))
 def test_engine_greedy_output_is_token_identical(dirs, reference, tp):
-    engine = Engine(str(dirs[0]), str(dirs[1]), executor_factory=tp_executor_factory(str(dirs[0]), tp, 1),
+    engine = load_engine(str(dirs[0]), str(dirs[1]), executor_factory=tp_executor_factory(str(dirs[0]), tp, 1),
                     **OPTIONS)
     try:
         assert engine.executor.tp_size == tp

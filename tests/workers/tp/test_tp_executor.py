@@ -17,7 +17,7 @@ from workers.executor import LocalExecutor
 from workers.forward_batch import AttentionGroup, ForwardBatch, contiguous_batch
 from workers.models.loader import load_model
 from workers.redrafter.acceptance import accept_greedy
-from workers.redrafter.beam_search import draft_beams
+from workers.redrafter.beam_search import draft_beams_batch
 from workers.redrafter.drafter import load_drafter
 from workers.redrafter.tree import build_prefix_tree
 from workers.tp.executor import TPExecutor
@@ -198,6 +198,6 @@ def test_drafter_on_the_leader(executors, plain_reference, drafter_dir, tp):
     drafter = load_drafter(drafter_dir, ex.lm_head_weight)
 
     def beams(ex, out, hidden):
-        return draft_beams(drafter, ex.embed, hidden, out[-1], 2, 2)
+        return draft_beams_batch(drafter, ex.embed, hidden[None], torch.tensor([out[-1]], device=hidden.device), 2, 2)[0]
 
     assert _greedy(ex, PROMPTS[0], MAX_NEW, beams)[0] == plain_reference[0]

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from workers.tp.launch import pin_rank_gpu, start_group
+from workers.tp.comm import pin_rank_gpu
+from workers.tp.launch import start_group
 
 
 def test_pin_rank_gpu_sets_only_that_rank_gpu():

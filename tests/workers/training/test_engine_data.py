@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from workers.engine import Engine
+from workers.engine_builder import load_engine
 from workers.models.loader import load_model
 from workers.sampling_params import SamplingParams
 from workers.training.distill_data import generate_batch, generate_dataset
@@ -32,7 +32,7 @@ def test_engine_responses_and_hiddens_equal_the_model_s(tiny_model_dirs):
     model_dir = tiny_model_dirs["tied_gqa2"]
     base = load_model(model_dir)
     prompts, eos = _prompts_and_eos(base)
-    engine = Engine(str(model_dir), None, max_batch_size=4, max_seq_len=128, decode_activations="float32")
+    engine = load_engine(str(model_dir), None, max_batch_size=4, max_seq_len=128, decode_activations="float32")
     engine.eos_token_ids = {eos}
     got = generate_batch_engine(engine, prompts, 20)
     want = generate_batch(base, prompts, 20, {eos})
@@ -48,7 +48,7 @@ def test_engine_shards_load_as_training_examples(tiny_model_dirs, tmp_path):
     model_dir = tiny_model_dirs["tied_gqa2"]
     base = load_model(model_dir)
     prompts, eos = _prompts_and_eos(base, 12)
-    engine = Engine(str(model_dir), None, max_batch_size=8, max_seq_len=128, decode_activations="float32")
+    engine = load_engine(str(model_dir), None, max_batch_size=8, max_seq_len=128, decode_activations="float32")
     engine.eos_token_ids = {eos}
     rows = [{"prompt_ids": p, "category": "c%d" % (i % 2)} for i, p in enumerate(prompts)]
     generate_dataset(engine, rows, tmp_path, 16, batch_size=5, eos_ids=set())
@@ -65,7 +65,7 @@ def test_engine_refilled_across_shards_writes_each_shard_as_alone_and_resumes(ti
     answers they get one shard at a time, and a missing shard is regenerated alone."""
     model_dir = tiny_model_dirs["tied_gqa2"]
     prompts, eos = _prompts_and_eos(load_model(model_dir), 14)
-    engine = Engine(str(model_dir), None, max_batch_size=4, max_seq_len=128, decode_activations="float32")
+    engine = load_engine(str(model_dir), None, max_batch_size=4, max_seq_len=128, decode_activations="float32")
     engine.eos_token_ids = {eos}
     rows = [{"prompt_ids": p, "category": "c"} for p in prompts]
 
@@ -83,7 +83,7 @@ def test_engine_refilled_across_shards_writes_each_shard_as_alone_and_resumes(ti
 
 
 def test_engine_with_other_requests_is_refused(tiny_model_dirs):
-    engine = Engine(str(tiny_model_dirs["tied_gqa2"]), None, max_seq_len=128, decode_activations="float32")
+    engine = load_engine(str(tiny_model_dirs["tied_gqa2"]), None, max_seq_len=128, decode_activations="float32")
     engine.add_request("user", [5, 6, 7], SamplingParams(max_tokens=4), "plain")
     with pytest.raises(RuntimeError, match="1 other requests"):
         generate_batch_engine(engine, [[3, 4, 5]], 8)

@@ -8,7 +8,7 @@ Two measurements on a loaded :class:`~workers.engine.Engine`:
 - :func:`measure_tokens_per_step`: mean tokens per step (accepted draft tokens + 1) of a shape on
   given prompts, greedy (ReDrafter arXiv 2403.09919 Sec. 4 reports the same quantity).
 
-:func:`workers.spec_schedule.derive_schedule` turns them into the table
+:func:`workers.speculation.schedule.derive_schedule` turns them into the table
 ``batch size -> (num_beams, draft_len_per_beam) | off``.
 """
 
@@ -21,7 +21,7 @@ import torch
 
 from workers.engine import Engine
 from workers.sampling import SamplingParams
-from workers.spec_schedule import Shape, fixed_schedule
+from workers.speculation.schedule import Shape, TablePolicy, fixed_schedule
 
 
 def measure_step_s(engine: Engine, batch_size: int, shape: Shape | None, *, context_len: int = 256,
@@ -33,7 +33,7 @@ def measure_step_s(engine: Engine, batch_size: int, shape: Shape | None, *, cont
     The contexts are random tokens, or with ``prompts`` real text: request i's context is
     ``prompts[i], prompts[i + 1], ...`` (cyclic) joined and cut to ``context_len`` tokens. Real
     text makes the draft trees what traffic makes them: how often beams share prefixes, and
-    whether a prompt-lookup beam (``engine.prompt_lookup_num_tokens``) finds a match, which on
+    whether a prompt-lookup beam (``speculation.prompt_lookup_num_tokens``) finds a match, which on
     random tokens it almost never does.
 
     Raises:
@@ -42,8 +42,8 @@ def measure_step_s(engine: Engine, batch_size: int, shape: Shape | None, *, cont
     """
     if engine.num_unfinished:
         raise RuntimeError("measure_step_s needs an idle engine")
-    saved = engine.spec_schedule
-    engine.spec_schedule = fixed_schedule(shape, batch_size)
+    saved = engine.spec_policy
+    engine.spec_policy = TablePolicy(fixed_schedule(shape, batch_size))
     gen = torch.Generator().manual_seed(seed)
     vocab = engine.config.vocab_size
     draft = engine.runner.max_draft_depth(shape) + 1 if shape else 1  # most tokens one step may emit
@@ -76,7 +76,7 @@ def measure_step_s(engine: Engine, batch_size: int, shape: Shape | None, *, cont
     finally:
         for rid in ids:
             engine.abort(rid)
-        engine.spec_schedule = saved
+        engine.spec_policy = saved
 
 
 def measure_tokens_per_step(engine: Engine, prompts: list[list[int]], shape: Shape, *,
@@ -91,8 +91,8 @@ def measure_tokens_per_step(engine: Engine, prompts: list[list[int]], shape: Sha
         raise ValueError("measuring tokens per step needs a drafter")
     if not prompts:
         raise ValueError("no prompts to measure tokens per step on")
-    saved = engine.spec_schedule
-    engine.spec_schedule = fixed_schedule(shape, 1)
+    saved = engine.spec_policy
+    engine.spec_policy = TablePolicy(fixed_schedule(shape, 1))
     steps = accepted = 0
     try:
         for prompt in prompts:
@@ -102,5 +102,5 @@ def measure_tokens_per_step(engine: Engine, prompts: list[list[int]], shape: Sha
             steps += last.num_steps
             accepted += last.accepted_draft_tokens
     finally:
-        engine.spec_schedule = saved
+        engine.spec_policy = saved
     return (accepted + steps) / steps if steps else 1.0

@@ -10,7 +10,7 @@ replica router (expected completion time on each replica) and for two-pool mode 
 where ``t_plain`` and ``t_spec`` are seconds per generation step measured by ``rdserve calibrate``
 (its JSON, kept next to the config) and interpolated linearly in ``b``, and ``tau(s)`` is the mean
 tokens per step (accepted draft tokens + 1; ReDrafter arXiv 2403.09919 Sec. 4). ``tau`` is seeded
-from calibration and then follows the live traffic (:mod:`cluster.spec_controller`): the accepted
+from calibration and then follows the live traffic (:mod:`workers.speculation.controller`): the accepted
 draft tokens per step of every shape are scaled by the ratio observed on the shape in use, so
 traffic whose drafts are mostly rejected turns speculation down by itself.
 
@@ -25,22 +25,9 @@ from bisect import bisect_left
 from dataclasses import dataclass
 from pathlib import Path
 
-Shape = tuple[int, int]
+from workers.speculation.shape import DraftShape
 
-
-def parse_shape(text: str) -> Shape:
-    """``"6x3"`` -> ``(6, 3)``.
-
-    Raises:
-        ValueError: not ``NUM_BEAMSxDRAFT_LEN`` with both >= 1.
-    """
-    try:
-        beams, draft = (int(x) for x in text.lower().split("x"))
-    except ValueError:
-        raise ValueError(f"shape {text!r}: expected NUM_BEAMSxDRAFT_LEN, e.g. 2x2") from None
-    if beams < 1 or draft < 1:
-        raise ValueError(f"shape {text!r}: num_beams and draft_len_per_beam must be >= 1")
-    return beams, draft
+Shape = DraftShape
 
 
 def interpolate(points: dict[int, float], x: float) -> float:
@@ -122,9 +109,9 @@ class StepCosts:
         spec: dict[Shape, dict[int, float]] = {}
         for key, seconds in data["spec_step_s"].items():
             batch, _, shape = key.partition(":")
-            spec.setdefault(parse_shape(shape), {})[int(batch)] = float(seconds)
+            spec.setdefault(DraftShape.parse(shape), {})[int(batch)] = float(seconds)
         return cls(plain_s={int(b): float(t) for b, t in data["plain_step_s"].items()}, spec_s=spec,
-                   tokens_per_step={parse_shape(s): float(v) for s, v in data["tokens_per_step"].items()})
+                   tokens_per_step={DraftShape.parse(s): float(v) for s, v in data["tokens_per_step"].items()})
 
     @classmethod
     def load(cls, path: str | Path) -> "StepCosts":
@@ -191,8 +178,3 @@ def best_choice(costs: StepCosts, b: float, taus: dict[Shape, float]) -> Choice:
         if rate > best.rate:
             best = Choice(shape, rate)
     return best
-
-
-def per_request_rate(costs: StepCosts, b: float, taus: dict[Shape, float]) -> float:
-    """Expected tokens/s one request gets in a batch of ``b`` under the best choice."""
-    return best_choice(costs, b, taus).rate / b if b >= 1 else 0.0

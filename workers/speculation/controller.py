@@ -1,4 +1,4 @@
-"""``engine.spec_schedule: auto``: the goodput model (:mod:`cluster.goodput`) run live, with hysteresis.
+"""``speculation.policy: auto``: the goodput model (:mod:`workers.speculation.goodput`) run live, with hysteresis.
 
 The engine asks every iteration, for the number of generation requests ``b``:
 
@@ -8,7 +8,7 @@ The engine asks every iteration, for the number of generation requests ``b``:
   boundary does not flip the decision back and forth (public reports of dynamic speculation show
   throughput collapsing when a batch-size threshold flaps).
 - :meth:`SpecController.drafts`: whether one request drafts in this iteration. A request whose own
-  tokens-per-step estimate is below break-even for the batch (:func:`cluster.goodput.break_even_tau`)
+  tokens-per-step estimate is below break-even for the batch (:func:`workers.speculation.goodput.break_even_tau`)
   decodes plain (its KV cache stays valid); every ``probe_interval``-th of its plain steps it drafts
   anyway, so its estimate can recover.
 - :meth:`SpecController.observe`: after the iteration, the tokens each drafting request accepted.
@@ -17,19 +17,20 @@ The engine asks every iteration, for the number of generation requests ``b``:
   acceptance drafts one iteration in ``probe_interval * patience`` (where calibration would
   speculate), so its estimate follows traffic that became easier.
 
-Per-request state lives in a small dict the engine keeps on the request (``seq.extra``).
+Per-request state is a :class:`RequestSpecState` the engine keeps on the request (``Sequence.spec_state``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cluster.goodput import Shape, StepCosts, best_choice, break_even_tau, live_taus, rate_of
+from workers.speculation.goodput import Shape, StepCosts, best_choice, break_even_tau, live_taus, rate_of
+from workers.speculation.shape import shape_text
 
 
 @dataclass(frozen=True)
 class ControllerSettings:
-    """Hysteresis and estimation settings (``router.auto`` in the config).
+    """Hysteresis and estimation settings (``speculation.auto`` in the config).
 
     margin: another choice must beat the current one's expected tokens/s by this fraction...
     patience: ...for this many consecutive iterations before the decision switches.
@@ -45,8 +46,23 @@ class ControllerSettings:
     probe_interval: int = 8
 
 
+@dataclass
+class RequestSpecState:
+    """One request's speculation state under the live policy.
+
+    tau: its own tokens per drafted step (moving average); None until its first drafted step (the
+        replica's estimate stands in).
+    plain_steps: generation steps since it last drafted (a probe is due every ``probe_interval``).
+    """
+
+    tau: float | None = None
+    plain_steps: int = 0
+
+
 class SpecController:
     """One replica's speculation decision (the engine thread calls it; not thread-safe)."""
+
+    live = True  # decides per iteration from live acceptance: every auto request may speculate
 
     def __init__(self, costs: StepCosts, settings: ControllerSettings = ControllerSettings()):
         self.costs = costs
@@ -67,7 +83,7 @@ class SpecController:
         return self.costs.shapes
 
     def taus(self) -> dict[Shape, float]:
-        """Live tokens per step of every calibrated shape (see :func:`cluster.goodput.live_taus`)."""
+        """Live tokens per step of every calibrated shape (see :func:`workers.speculation.goodput.live_taus`)."""
         shape, tau = self._tau or (None, None)
         return live_taus(self.costs, shape, tau)
 
@@ -75,11 +91,6 @@ class SpecController:
     def tau(self) -> float:
         """Live tokens per step of the shape in use; 1.0 while decoding plain."""
         return 1.0 if self.current is None else self.taus()[self.current]
-
-    def speculative_tau(self) -> float:
-        """Live tokens per step of the shape last drafted with (the smallest shape before any)."""
-        shape = self.current or (self._tau or (self.costs.shapes[0],))[0]
-        return self.taus()[shape]
 
     def shape_for(self, b: int) -> Shape | None:
         """The shape for an iteration with ``b`` generation requests (None: plain)."""
@@ -110,30 +121,28 @@ class SpecController:
 
     # -- request level ---------------------------------------------------------------------------
 
-    def new_request_state(self) -> dict:
-        """Per-request state: its own tokens per step (None until its first drafted step: the
-        replica's estimate stands in) and plain steps since it last drafted."""
-        return {"tau": None, "plain_steps": 0}
+    def new_request_state(self) -> "RequestSpecState":
+        return RequestSpecState()
 
-    def drafts(self, state: dict, b: int, shape: Shape) -> bool:
+    def drafts(self, state: "RequestSpecState", b: int, shape: Shape) -> bool:
         """Whether a request with ``state`` drafts in an iteration of ``b`` requests with ``shape``."""
-        tau = state["tau"] if state["tau"] is not None else self.taus()[shape]
+        tau = state.tau if state.tau is not None else self.taus()[shape]
         if tau >= break_even_tau(self.costs, b, shape):
             return True
-        return state["plain_steps"] + 1 >= self.settings.probe_interval  # a probe
+        return state.plain_steps + 1 >= self.settings.probe_interval  # a probe
 
-    def observe(self, state: dict, shape: Shape | None, drafted: bool, accepted: int) -> None:
+    def observe(self, state: "RequestSpecState", shape: Shape | None, drafted: bool, accepted: int) -> None:
         """Record one generation step of a request: ``accepted`` draft tokens if it ``drafted``."""
         if not drafted or shape is None:
-            state["plain_steps"] += 1
+            state.plain_steps += 1
             return
-        state["plain_steps"] = 0
+        state.plain_steps = 0
         tokens = 1.0 + accepted
         taus = self.taus()
-        if state["tau"] is None:
-            state["tau"] = taus[shape]
+        if state.tau is None:
+            state.tau = taus[shape]
         r = self.settings.request_ema_alpha
-        state["tau"] = (1 - r) * state["tau"] + r * tokens
+        state.tau = (1 - r) * state.tau + r * tokens
         a = self.settings.ema_alpha  # a new shape starts from the estimate carried over to it
         self._tau = (shape, (1 - a) * taus[shape] + a * tokens)
 
@@ -141,6 +150,6 @@ class SpecController:
         """For routing stats and responses: current shape, live tau (None before the first iteration:
         no estimate yet, not plain decoding), switches so far."""
         shape = self.current
-        return {"shape": None if shape is None else f"{shape[0]}x{shape[1]}",
+        return {"shape": shape_text(shape),
                 "tau": round(self.tau, 4) if self.started else None,
                 "switches": self.switches}

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from workers.calibration import measure_step_s
-from workers.engine import Engine
+from workers.speculation.calibration import measure_step_s
+from workers.engine_builder import load_engine
 
 
 def test_step_times_on_prompt_text_use_the_joined_prompts_and_keep_the_batch(tiny_model_dirs, trained_drafter_dirs):
-    engine = Engine(str(tiny_model_dirs["tied_gqa2"]), str(trained_drafter_dirs["tied_gqa2"]), num_beams=2,
+    engine = load_engine(str(tiny_model_dirs["tied_gqa2"]), str(trained_drafter_dirs["tied_gqa2"]), num_beams=2,
                     draft_len_per_beam=2, max_seq_len=256, prompt_lookup_num_tokens=4, prompt_lookup_min=1)
     seen, batch_sizes = [], []
     add, step = engine.add_request, engine.step

@@ -4,7 +4,7 @@ schedule) belong to.
 Step costs differ by an order of magnitude between paths: a draft-tree row costs about a quarter of
 a decode row with int8 activations on AVX512-VNNI, about as much as one on the float32 AVX2 kernel,
 and more on torch's GEMM. A schedule measured on one path (``rdserve calibrate``) is only right
-for that path, so configs key schedules by these names (``engine.spec_schedule_by_kernel``).
+for that path, so configs key tables and calibrations by these names (``speculation.by_compute_path``).
 
 Names: ``cuda``, or ``WEIGHTS-ISA[-int8]`` with WEIGHTS ``gguf`` (the GGUF's quantized blocks),
 ``float32``, ``bfloat16`` or ``float16`` (the model's dtype), ISA ``avx512``, ``avx2`` (rdserve's C kernels, :mod:`workers.kernels.build`) or
@@ -18,10 +18,10 @@ from __future__ import annotations
 import re
 
 WEIGHTS = ("gguf", "float32", "bfloat16", "float16")
-KERNEL_NAME = re.compile(r"^(cuda|(gguf|float32|bfloat16|float16)-(avx512|avx2|torch)(-int8)?)$")
+COMPUTE_PATH = re.compile(r"^(cuda|(gguf|float32|bfloat16|float16)-(avx512|avx2|torch)(-int8)?)$")
 
 
-def kernel_name(device: str, weights: str, isa: str | None, int8_activations: bool) -> str:
+def compute_path_name(device: str, weights: str, isa: str | None, int8_activations: bool) -> str:
     """The path's name.
 
     device: the engine's torch device (``"cpu"``, ``"cuda"``, ``"cuda:1"``...).
@@ -44,13 +44,13 @@ def kernel_name(device: str, weights: str, isa: str | None, int8_activations: bo
     return name + ("-int8" if int8_activations else "")
 
 
-def check_kernel_name(name: str) -> str:
-    """``name`` if it is a valid kernel name.
+def check_compute_path_name(name: str) -> str:
+    """``name`` if it is a valid compute-path name.
 
     Raises:
         ValueError: naming the expected form.
     """
-    if not KERNEL_NAME.match(name):
-        raise ValueError(f"{name!r} is not a kernel name: expected cuda or WEIGHTS-ISA[-int8] with WEIGHTS "
+    if not COMPUTE_PATH.match(name):
+        raise ValueError(f"{name!r} is not a compute path: expected cuda or WEIGHTS-ISA[-int8] with WEIGHTS "
                          "gguf|float32|bfloat16|float16 and ISA avx512|avx2|torch, e.g. gguf-avx512-int8, gguf-avx2, float32-torch")
     return name

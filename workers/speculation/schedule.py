@@ -9,7 +9,9 @@ increasing ``max_batch_size``. A row applies to batches larger than the previous
 ``max_batch_size`` and at most its own; ``num_beams = draft_len_per_beam = 0`` marks speculation off
 for that range; batches above the last row run without speculation. In YAML::
 
-    spec_schedule:
+    speculation:
+      policy: table
+      table:
       - {max_batch_size: 2, num_beams: 2, draft_len_per_beam: 2}
       - {max_batch_size: 8, num_beams: 1, draft_len_per_beam: 2}
 
@@ -23,7 +25,9 @@ from typing import Annotated, Literal, Union
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
-Shape = tuple[int, int]
+from workers.speculation.shape import DraftShape, shape_text
+
+Shape = DraftShape
 
 
 class SpecScheduleRow(BaseModel):
@@ -44,7 +48,7 @@ class SpecScheduleRow(BaseModel):
 
     @property
     def shape(self) -> Shape | None:
-        return (self.num_beams, self.draft_len_per_beam) if self.num_beams else None
+        return DraftShape(self.num_beams, self.draft_len_per_beam) if self.num_beams else None
 
 
 def validate_schedule(table: str | list) -> "SpecSchedule":
@@ -98,7 +102,7 @@ def fixed_schedule(shape: Shape | None, max_batch_size: int) -> "SpecSchedule":
 def largest_speculating_batch(table: SpecSchedule) -> int:
     """The largest number of generation requests ``table`` (validated) still drafts for; 0 when off.
     A router that admits requests as speculative up to this load matches the table
-    (``router.spec_max_load``)."""
+    (``speculation.spec_max_load``)."""
     return 0 if table == "off" else max((r.max_batch_size for r in table if r.shape), default=0)
 
 
@@ -109,8 +113,7 @@ def schedule_text(table: "SpecSchedule | str | None") -> str:
         return "fixed shape"
     if isinstance(table, str):
         return table
-    rows = [f"{r.num_beams}x{r.draft_len_per_beam}<={r.max_batch_size}" if r.shape else f"off<={r.max_batch_size}"
-            for r in table]
+    rows = [f"{r.shape}<={r.max_batch_size}" if r.shape else f"off<={r.max_batch_size}" for r in table]
     return ", ".join(rows) + ", off above"
 
 
@@ -181,8 +184,11 @@ class TablePolicy:
     The engine asks its policy, every iteration: :meth:`shape_for` the number of generation
     requests; :meth:`drafts`, per speculative request, whether it drafts now; after the iteration
     :meth:`observe` each generation step. A table answers from its rows alone; the live goodput
-    model (``engine.spec_schedule: auto``, :mod:`cluster.spec_controller`) has the same methods.
+    model (``speculation.policy: auto``, :mod:`workers.speculation.controller`) has the same methods
+    (:class:`workers.speculation.policy.SpecPolicy`).
     """
+
+    live = False  # answers from its rows: a router can read the load it drafts up to (largest_speculating_batch)
 
     def __init__(self, table: SpecSchedule, ema_alpha: float = 0.05):
         self.table = table  # validated (see validate_schedule)
@@ -200,13 +206,13 @@ class TablePolicy:
         self._iterations += 1
         return self._last_shape
 
-    def new_request_state(self) -> dict:
-        return {}
+    def new_request_state(self) -> None:
+        return None  # a table keeps no per-request state
 
-    def drafts(self, state: dict | None, b: int, shape: Shape) -> bool:
+    def drafts(self, state: None, b: int, shape: Shape) -> bool:
         return True
 
-    def observe(self, state: dict | None, shape: Shape | None, drafted: bool, accepted: int) -> None:
+    def observe(self, state: None, shape: Shape | None, drafted: bool, accepted: int) -> None:
         """Keeps a moving average of tokens per drafted step (weight ``ema_alpha``), for stats."""
         if drafted:
             tokens = 1.0 + accepted
@@ -216,5 +222,5 @@ class TablePolicy:
         """``shape`` of the last iteration (``"BxD"`` or None) and ``tau``: tokens per drafted step
         (None before any draft, and before the first iteration), 1.0 while decoding plain."""
         shape = self._last_shape
-        return {"shape": None if shape is None else f"{shape[0]}x{shape[1]}",
+        return {"shape": shape_text(shape),
                 "tau": None if not self._iterations else 1.0 if shape is None else self._tau}

@@ -4,17 +4,16 @@ import json
 
 import pytest
 
-from cluster.goodput import (
+from workers.speculation.goodput import (
     StepCosts,
     best_choice,
     break_even_tau,
     interpolate,
     live_taus,
-    per_request_rate,
     plain_rate,
     spec_rate,
 )
-from cluster.spec_controller import ControllerSettings, SpecController
+from workers.speculation.controller import ControllerSettings, SpecController
 
 # Step costs shaped like the float32 calibration on our machines: a tree is nearly free at batch 1 and
 # costs more and more as the batch grows.
@@ -49,7 +48,8 @@ def test_speculation_wins_at_low_load_and_loses_at_high_load():
     assert best_choice(COSTS, 1, taus).shape == (4, 4)  # 2.2 / 45 ms beats 1.65 / 36 ms and 1 / 30 ms
     assert best_choice(COSTS, 8, taus).shape == (1, 2)
     assert best_choice(COSTS, 32, taus).shape is None
-    assert per_request_rate(COSTS, 1, taus) > per_request_rate(COSTS, 8, taus) > per_request_rate(COSTS, 32, taus)
+    per_request = [best_choice(COSTS, b, taus).rate / b for b in (1, 8, 32)]  # tokens/s one request gets
+    assert per_request[0] > per_request[1] > per_request[2]
 
 
 def test_low_live_acceptance_turns_speculation_down_by_itself():
@@ -123,7 +123,7 @@ def test_replica_tau_follows_acceptance_and_speculation_stops_on_hard_traffic():
         shape = c.shape_for(1)
         state = c.new_request_state()
         c.observe(state, shape, shape is not None, 0)
-    assert c.speculative_tau() < 1.2 and c.tau == 1.0  # plain now
+    assert c.taus()[(4, 4)] < 1.2 and c.tau == 1.0  # plain now
     assert c.current is None and c.switches >= 1
     assert c.stats()["shape"] is None
 
@@ -152,7 +152,7 @@ def test_request_below_break_even_decodes_plain_and_probes():
     assert c.drafts(state, 8, (1, 2))  # no history: the replica's estimate (1.65 > break-even 1.37)
     for _ in range(6):
         c.observe(state, (1, 2), True, 0)
-    assert state["tau"] < break_even_tau(COSTS, 8, (1, 2))
+    assert state.tau < break_even_tau(COSTS, 8, (1, 2))
     pattern = []
     for _ in range(8):
         drafts = c.drafts(state, 8, (1, 2))

@@ -6,7 +6,7 @@ import pytest
 import yaml
 from pydantic import BaseModel
 
-from workers.spec_schedule import SpecSchedule, TablePolicy, choose_shape, derive_schedule, fixed_schedule, validate_schedule
+from workers.speculation.schedule import SpecSchedule, TablePolicy, choose_shape, derive_schedule, fixed_schedule, validate_schedule
 
 TABLE = [
     {"max_batch_size": 1, "num_beams": 2, "draft_len_per_beam": 4},

@@ -1,0 +1,140 @@
+"""The speculation policy the engine asks every iteration, and the one place that picks it.
+
+A policy answers, per iteration with ``b`` generation requests: :meth:`SpecPolicy.shape_for` (the
+draft-tree shape, or None: plain decoding); per speculative request :meth:`SpecPolicy.drafts`
+(whether it drafts now); after the iteration :meth:`SpecPolicy.observe` (what each request
+accepted). Two kinds exist: a table (:class:`workers.speculation.schedule.TablePolicy`: fixed, table
+or off) and the live goodput model (:class:`workers.speculation.controller.SpecController`).
+
+:func:`select_policy` reads :class:`~workers.speculation.options.SpeculationOptions` for the compute
+path an engine turned out to run on (known once its weights are loaded) and returns the policy with
+where it came from. Nothing else interprets ``speculation.policy``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from typing import Protocol
+
+from workers.speculation.controller import ControllerSettings, SpecController
+from workers.speculation.goodput import StepCosts
+from workers.speculation.options import SpeculationOptions
+from workers.speculation.schedule import (SpecSchedule, TablePolicy, fixed_schedule, largest_speculating_batch,
+                                          schedule_text)
+from workers.speculation.shape import DraftShape
+
+log = logging.getLogger(__name__)
+
+
+class SpecPolicy(Protocol):
+    """What the scheduler and engine call (engine thread only)."""
+
+    live: bool  # True: decides per iteration from live acceptance (auto); False: answers from a table
+
+    @property
+    def shapes(self) -> list[DraftShape]:
+        """Every shape it may choose (the KV cache is sized for the largest tree)."""
+
+    def shape_for(self, b: int) -> DraftShape | None: ...
+
+    def new_request_state(self) -> object | None: ...
+
+    def drafts(self, state: object | None, b: int, shape: DraftShape) -> bool: ...
+
+    def observe(self, state: object | None, shape: DraftShape | None, drafted: bool, accepted: int) -> None: ...
+
+    def stats(self) -> dict:
+        """``shape`` (``BxD`` or None) and ``tau`` (tokens per drafted step, or None) for stats."""
+
+
+@dataclass(frozen=True)
+class SelectedPolicy:
+    """A policy and where it came from.
+
+    source: the settings it follows, for logs and ``/health`` (e.g. ``speculation.by_compute_path.gguf-avx2.table``).
+    spec_max_load: when a table of this compute path decides (a ``by_compute_path`` table, or the
+        fallback of ``auto`` without a calibration), the load up to which requests are admitted as
+        speculative (the table's largest speculating batch); None: ``speculation.spec_max_load``.
+    """
+
+    policy: SpecPolicy
+    source: str
+    spec_max_load: int | None = None
+
+
+def select_policy(opts: SpeculationOptions, compute_path: str, max_batch_size: int) -> SelectedPolicy:
+    """The policy for an engine on ``compute_path``.
+
+    Order: the path's ``by_compute_path`` entry (its calibration, which needs policy auto, or its
+    table); then policy ``auto`` with ``calibration``; ``auto`` without one for this path decodes
+    ``num_beams x draft_len_per_beam`` at batch 1 only and logs that ``rdserve calibrate`` is
+    missing; ``fixed``: that shape at every batch size up to ``max_batch_size``; ``table``; ``off``.
+
+    Raises:
+        ValueError: an unusable calibration file (named).
+    """
+    entry = (opts.by_compute_path or {}).get(compute_path)
+    field = f"speculation.by_compute_path.{compute_path}"
+    shape = DraftShape(opts.num_beams, opts.draft_len_per_beam)
+    if entry is not None and entry.calibration is not None:
+        return SelectedPolicy(_controller(opts, entry.calibration, compute_path, f"{field}.calibration"),
+                              f"{field}.calibration")
+    if entry is not None:
+        return _table(entry.table, f"{field}.table", follows_load=True)
+    if opts.policy == "auto" and opts.calibration is not None:
+        return SelectedPolicy(_controller(opts, opts.calibration, compute_path, "speculation.calibration"),
+                              "speculation.calibration")
+    if opts.policy == "auto":
+        log.warning("speculation.policy 'auto': no calibration and no by_compute_path table for compute path %s; "
+                    "speculating with %s at batch 1 only. Run `rdserve calibrate` on this machine", compute_path, shape)
+        return _table(fixed_schedule(shape, 1), "speculation.policy auto without a calibration for this compute path",
+                      follows_load=True)
+    if opts.policy == "fixed":
+        return _table(fixed_schedule(shape, max_batch_size), f"speculation.policy fixed {shape}")
+    if opts.policy == "table":
+        return _table(opts.table, "speculation.table")
+    return _table("off", "speculation.policy off")
+
+
+def _table(table: SpecSchedule, source: str, follows_load: bool = False) -> SelectedPolicy:
+    return SelectedPolicy(TablePolicy(table), source, largest_speculating_batch(table) if follows_load else None)
+
+
+def _controller(opts: SpeculationOptions, path, compute_path: str, field: str) -> SpecController:
+    warn_if_measured_elsewhere(path, compute_path, field, opts.draft_search)
+    a = opts.auto
+    settings = ControllerSettings(margin=a.margin, patience=a.patience, ema_alpha=a.ema_alpha,
+                                  request_ema_alpha=a.request_ema_alpha, probe_interval=a.probe_interval)
+    return SpecController(StepCosts.load(path), settings)
+
+
+def policy_text(policy: SpecPolicy) -> str:
+    """A policy in one line for logs and ``/health``: ``auto`` (live), ``off``, or a table's rows
+    (``1x2<=2, off above``)."""
+    return "auto" if policy.live else schedule_text(policy.table)
+
+
+def measured_on(path) -> tuple[str | None, str | None]:
+    """``(compute path, draft_search)`` a calibration file says it was measured with (None: unsaid
+    or unreadable; older files name the path ``kernel``)."""
+    try:
+        data = json.loads(open(path).read())
+        return data.get("compute_path", data.get("kernel")), data.get("draft_search")
+    except (OSError, ValueError, AttributeError):
+        return None, None  # unreadable files are reported by StepCosts.load
+
+
+def warn_if_measured_elsewhere(path, compute_path: str, field: str, draft_search: str | None = None) -> None:
+    """Log a warning when the calibration file was measured on another compute path (its step costs,
+    and so the goodput model's choices, belong to that path) or with another ``draft_search`` (its
+    tokens per step belong to that search)."""
+    measured, searched = measured_on(path)
+    if measured is not None and measured != compute_path:
+        log.warning("%s %s was measured on compute path %s, this engine runs on %s: its step costs may not hold "
+                    "here; run `rdserve calibrate` on this machine", field, path, measured, compute_path)
+    if draft_search is not None and searched is not None and searched != draft_search:
+        log.warning("%s %s was measured with speculation.draft_search %s, this engine drafts with %s: its tokens "
+                    "per step may not hold; run `rdserve calibrate` with this config", field, path, searched,
+                    draft_search)
