@@ -101,3 +101,21 @@ def test_preemptions_and_aborts_are_counted(tiny_model_dirs, trained_drafter_dir
     # the aborted request's emitted tokens are counted too (it got its first token before the abort)
     gone = d.generation_tokens - sum(f.completion_tokens for f in last.values())
     assert gone >= 0 and d.prompt_tokens - sum(f.prompt_tokens for f in last.values()) in (0, len(reqs[0]["prompt"]))
+
+
+def test_snapshot_and_abort_all(tiny_model_dirs, trained_drafter_dirs):
+    """``snapshot`` reports the queues and the KV cache; ``abort_all`` ends every request through
+    ``abort`` (each counted as aborted) and frees every block."""
+    engine = make_engine(tiny_model_dirs, trained_drafter_dirs, max_batch_size=2)
+    reqs = requests_for(engine, 3, seed=3)
+    for r in reqs:
+        engine.add_request(r["id"], r["prompt"], r["params"], r["mode"])
+    engine.step()
+    snap = engine.snapshot()
+    assert (snap.running, snap.waiting, snap.failure) == (2, 1, None)
+    assert snap.free_blocks < snap.num_blocks == snap.kv_size.num_blocks and 0 < snap.kv_usage < 1
+    assert {"shape", "tau"} <= set(snap.spec_stats)
+    assert sorted(engine.abort_all()) == sorted(r["id"] for r in reqs)
+    snap = engine.snapshot()
+    assert (snap.running, snap.waiting, snap.free_blocks) == (0, 0, snap.num_blocks) and not engine.num_unfinished
+    assert engine.drain_stats().aborted == 3
