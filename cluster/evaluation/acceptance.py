@@ -80,11 +80,11 @@ def measure_engine(engine, prompts: Sequence[PromptRow], max_tokens: int) -> dic
         ids = engine.encode_chat(row.messages) if row.messages is not None else engine.encode_prompt(row.prompt)
         budget = min(max_tokens, engine.max_seq_len - len(ids))
         deltas = list(engine.generate(ids, params, "spec"))
-        steps = steps_from_deltas((d.accepted_draft_tokens for d in deltas[1:]), engine.options.draft_len_per_beam, budget)
+        steps = steps_from_deltas((d.accepted_draft_tokens for d in deltas[1:]), engine.speculation.draft_len_per_beam, budget)
         for key in (row.category, "all"):
             prev_steps, prev_n = per_category.get(key, ([], 0))
             per_category[key] = (prev_steps + steps, prev_n + deltas[-1].num_steps)
-    return {key: acceptance_figures(steps, n, engine.options.num_beams, engine.options.draft_len_per_beam)
+    return {key: acceptance_figures(steps, n, engine.speculation.num_beams, engine.speculation.draft_len_per_beam)
             for key, (steps, n) in per_category.items()}
 
 
