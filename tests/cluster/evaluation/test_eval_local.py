@@ -5,7 +5,7 @@ model (SmolLM2-135M-Instruct, ``rdserve model pull``), so a default that breaks 
 The server runs the shipped preset as it is, on free ports: a copy of ``configs/local.yaml`` with only
 ``serve.port`` and ``observability.metrics_port`` changed, in a folder that mirrors the project (every
 other entry a symlink), so the preset's relative paths resolve to the same files. ``rdserve eval`` reads
-``configs/local.yaml`` itself and is pointed at that server with ``--url``. About 1.5 min on 2 cores.
+``configs/local.yaml`` itself and is pointed at that server with ``--url``. About 2 min on 2 cores.
 """
 
 import json
