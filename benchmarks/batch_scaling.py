@@ -4,7 +4,7 @@ For each batch size B: B held-out prompts (never used for drafter training; cycl
 them) are submitted at once and decoded to ``--max-tokens`` tokens each (greedy, EOS ignored so
 every request emits the same count) with in-flight batching; output tokens/s is total output tokens
 over wall time, step time is the median generation-only iteration. Speculative runs use one fixed
-draft-tree shape at every batch size (not the speculation schedule), so the crossover where
+draft-tree shape at every batch size (``speculation.policy: fixed``, whatever the config's policy), so the crossover where
 speculation stops paying is visible.
 
 Usage:
@@ -24,12 +24,12 @@ import torch
 
 from bench_prompts import DATASETS
 from bench_report import write_report
+from bench_spec import fixed_speculation
 
 from cluster.config import load_config
 from cluster.local_engine import build_engine
 from workers.engine import Engine
 from workers.sampling_params import SamplingParams
-from workers.speculation.schedule import fixed_schedule
 from workers.training.prompt_sources import build_prompts, require_datasets
 
 
@@ -68,22 +68,23 @@ def main() -> None:
     ap.add_argument("--batch-sizes", default="1,2,4,8,16,32,64")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--dtype", help="override engine.dtype")
-    ap.add_argument("--num-beams", type=int, help="override engine.num_beams (the fixed spec shape)")
-    ap.add_argument("--draft-len-per-beam", type=int, help="override engine.draft_len_per_beam")
+    ap.add_argument("--num-beams", type=int, help="override speculation.num_beams (the fixed spec shape)")
+    ap.add_argument("--draft-len-per-beam", type=int, help="override speculation.draft_len_per_beam")
     ap.add_argument("--out", default="benchmarks/results/batch_scaling")
     args = ap.parse_args()
 
     batches = [int(b) for b in args.batch_sizes.split(",")]
     cfg = load_config(args.config)
-    update = {"max_batch_size": max(batches), "spec_schedule": None}
-    for key in ("dtype", "num_beams", "draft_len_per_beam"):
-        if getattr(args, key):
-            update[key] = getattr(args, key)
+    update = {"max_batch_size": max(batches)}
+    if args.dtype:
+        update["dtype"] = args.dtype
     cfg.engine = cfg.engine.model_copy(update=update)
+    # the fixed policy: num_beams x draft_len_per_beam at every batch size up to max_batch_size
+    shape_args = {k: getattr(args, k) for k in ("num_beams", "draft_len_per_beam") if getattr(args, k)}
+    cfg.speculation = fixed_speculation(cfg.speculation, **shape_args)
     engine = build_engine(cfg)
     e = cfg.engine
-    shape = (e.num_beams, e.draft_len_per_beam)
-    engine.spec_schedule = fixed_schedule(shape, max(batches))
+    shape = (cfg.speculation.num_beams, cfg.speculation.draft_len_per_beam)
     prompts = [engine.encode_chat(p["messages"]) for p in build_prompts(require_datasets(Path(args.datasets_dir)), "heldout")]
     prompts = [p for p in prompts if len(p) + args.max_tokens <= engine.max_seq_len]
     run_batch(engine, prompts[:2], 8, "spec")  # warm-up

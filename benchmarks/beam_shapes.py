@@ -1,7 +1,7 @@
 """Sweep ReDrafter beam shapes at batch 1: tokens per step and end-to-end tokens/s vs plain.
 
 Greedy decoding of held-out prompts (never used for drafter training), one engine, the beam shape
-changed between runs. Use it to pick ``engine.num_beams`` / ``engine.draft_len_per_beam``.
+changed between runs. Use it to pick ``speculation.num_beams`` / ``speculation.draft_len_per_beam``.
 
 Usage: python benchmarks/beam_shapes.py --config configs/local.yaml --prompts-per-category 3 \
     --max-tokens 96 --shapes 1x2,1x3,2x2,2x3,3x3,2x4,4x4
@@ -16,11 +16,11 @@ import time
 from pathlib import Path
 
 from bench_prompts import DATASETS
+from bench_spec import forced_table
 
 from cluster.config import load_config
 from cluster.local_engine import build_engine
 from workers.sampling_params import SamplingParams
-from workers.speculation.schedule import fixed_schedule
 from workers.training.prompt_sources import build_prompts, first_per_category, require_datasets
 
 
@@ -55,8 +55,8 @@ def main() -> None:
     rows = []
     for shape in args.shapes.split(","):
         nb, dl = (int(x) for x in shape.split("x"))
-        engine.spec_schedule = fixed_schedule((nb, dl), 1)
-        r = decode_all(engine, prompts, "spec", args.max_tokens)
+        with forced_table(engine, (nb, dl), 1):
+            r = decode_all(engine, prompts, "spec", args.max_tokens)
         r.update(num_beams=nb, draft_len_per_beam=dl, speedup=r["tokens_per_s"] / plain["tokens_per_s"])
         rows.append(r)
         print(f"{shape}: {r['tokens_per_step']:.2f} tokens/step, {r['tokens_per_s']:.1f} tokens/s, x{r['speedup']:.2f}", flush=True)

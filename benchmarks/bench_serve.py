@@ -31,12 +31,12 @@ def absolute_paths(data: dict, base: Path) -> dict:
     def fix(value):
         return value if value is None or Path(value).expanduser().is_absolute() else str((base / value).resolve())
 
-    for section, key in (("model", "path"), ("drafter", "path"), ("engine", "spec_calibration")):
+    for section, key in (("model", "path"), ("drafter", "path"), ("speculation", "calibration")):
         if (data.get(section) or {}).get(key) is not None:
             data[section][key] = fix(data[section][key])
-    by_kernel = (data.get("engine") or {}).get("spec_calibration_by_kernel")
-    if by_kernel:
-        data["engine"]["spec_calibration_by_kernel"] = {k: fix(v) for k, v in by_kernel.items()}
+    for entry in ((data.get("speculation") or {}).get("by_compute_path") or {}).values():
+        if isinstance(entry, dict) and entry.get("calibration") is not None:
+            entry["calibration"] = fix(entry["calibration"])
     return data
 
 

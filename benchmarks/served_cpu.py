@@ -132,7 +132,7 @@ def main() -> None:
     ap.add_argument("--prompts", required=True, help="prompt JSONL (chat rows), e.g. ../shared/datasets/broad/dev.jsonl")
     ap.add_argument("--num-prompts", type=int, default=8)
     ap.add_argument("--concurrency", type=int, default=1)
-    ap.add_argument("--mode", default=None, help="rdserve.mode of every request (plain / spec); default: the router's")
+    ap.add_argument("--mode", default=None, help="rdserve.mode of every request (plain / spec); default: speculation.default_mode")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--window", type=float, default=10.0, help="seconds sampled idle and under load")
     ap.add_argument("--top", type=int, default=10, help="processes shown")

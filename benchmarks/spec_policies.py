@@ -4,12 +4,15 @@ One Ray Serve instance, one application per policy (same model, drafter and engi
 replica idles while another is measured), driven by the streaming load generator closed loop at each
 concurrency level, policies interleaved level by level so machine drift hits them alike:
 
-- ``spec``: every request drafts with the config's default shape at every batch size;
-- ``plain``: no request drafts;
-- ``table``: the schedule ``rdserve calibrate`` derived into ``--calibration`` (``spec_schedule``) with
-  the matching ``router.spec_max_load`` (the fixed policy of ``configs/local.yaml``);
-- ``auto``: ``engine.spec_schedule: auto`` (the goodput model, ``workers.speculation.goodput``) with
+- ``spec``: every request drafts with the config's default shape at every batch size
+  (``speculation.policy: fixed``, ``default_mode: spec``);
+- ``plain``: no request drafts (``speculation.policy: off``, ``default_mode: plain``);
+- ``table``: the table ``rdserve calibrate`` derived into ``--calibration`` (its ``table``) as
+  ``speculation.policy: table`` with the matching ``speculation.spec_max_load``;
+- ``auto``: ``speculation.policy: auto`` (the goodput model, ``workers.speculation.goodput``) with
   ``--calibration``.
+
+Each policy is what it names on every compute path: ``speculation.by_compute_path`` is dropped.
 
 Prompts: a mix of ``broad/dev.jsonl``, GSM8K and HumanEval (``--mix broad``), or summarization rows
 of ``broad/dev.jsonl`` only (``--mix summarization``: low acceptance). Output tokens/s and goodput
@@ -42,24 +45,25 @@ POLICIES = ("spec", "plain", "table", "auto")
 
 def policy_config(cfg, policy: str, calibration: Path):
     """The config for one policy (a copy; every path is already absolute)."""
-    eng = cfg.engine.model_copy(update={"spec_schedule_by_kernel": None, "spec_calibration_by_kernel": None})
-    router = cfg.router  # each policy below is what it names, whatever the config keys by compute path
+    # each policy below is what it names, whatever the config keys by compute path
+    update: dict = {"table": None, "calibration": None, "by_compute_path": None}
     if policy == "spec":
-        eng = eng.model_copy(update={"spec_schedule": None})
-        router = router.model_copy(update={"default_mode": "spec"})
+        update.update(policy="fixed", default_mode="spec")
     elif policy == "plain":
-        router = router.model_copy(update={"default_mode": "plain"})
+        update.update(policy="off", default_mode="plain")
     elif policy == "auto":
-        eng = eng.model_copy(update={"spec_schedule": "auto", "spec_calibration": calibration})
-        router = router.model_copy(update={"default_mode": "auto"})
+        update.update(policy="auto", calibration=calibration, default_mode="auto")
     elif policy == "table":  # the table rdserve calibrate derived from the same measurements
         from cluster.calibrate_cli import spec_max_load
         from workers.speculation.schedule import validate_schedule
 
-        rows = json.loads(calibration.read_text())["spec_schedule"]
-        eng = eng.model_copy(update={"spec_schedule": validate_schedule(rows)})
-        router = router.model_copy(update={"default_mode": "auto", "spec_max_load": spec_max_load(rows)})
-    return cfg.model_copy(update={"engine": eng, "router": router})
+        measured = json.loads(calibration.read_text())
+        rows = measured["table"] if "table" in measured else measured["spec_schedule"]  # older files' key
+        update.update(policy="table", table=validate_schedule(rows), default_mode="auto",
+                      spec_max_load=spec_max_load(rows))
+    spec = cfg.speculation
+    data = spec.model_dump(exclude_unset=True) | update
+    return cfg.model_copy(update={"speculation": type(spec).model_validate(data)})
 
 
 def prompt_mix(mix: str, datasets: Path) -> list[PromptRow]:
@@ -173,7 +177,7 @@ def report(results: dict, passes: dict, policies: list[str], levels: list[int], 
         per_pass = [sum(passes["auto"][c][i]["output_throughput"] for c in levels)
                     / sum(passes[best_single][c][i]["output_throughput"] for c in levels) for i in range(args.rounds)]
         ratios["summed"] = per_pass
-        lines += ["", f"summed over the ramp: " + ", ".join(f"{p} {sums[p]:.0f}" for p in policies)
+        lines += ["", "summed over the ramp: " + ", ".join(f"{p} {sums[p]:.0f}" for p in policies)
                   + f"; auto / best single fixed ({best_single}) = {sums['auto'] / sums[best_single]:.2f}x pooled, "
                   + f"per pass {', '.join(f'{x:.2f}x' for x in per_pass)}"]
     return "\n".join(lines), ratios

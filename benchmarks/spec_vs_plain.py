@@ -26,6 +26,7 @@ import torch
 
 from bench_prompts import DATASETS
 from bench_report import write_report
+from bench_spec import fixed_speculation
 
 from cluster.config import load_config
 from cluster.local_engine import build_engine
@@ -59,11 +60,11 @@ def main() -> None:
     args = ap.parse_args()
 
     cfg = load_config(args.config)
-    overrides = {"num_beams": args.num_beams, "draft_len_per_beam": args.draft_len_per_beam, "dtype": args.dtype}
-    update = {k: v for k, v in overrides.items() if v}
-    update["spec_schedule"] = None  # measure the num_beams x draft_len_per_beam shape, not the schedule
-    update["spec_schedule_by_kernel"] = None
-    cfg.engine = cfg.engine.model_copy(update=update)
+    if args.dtype:
+        cfg.engine = cfg.engine.model_copy(update={"dtype": args.dtype})
+    # measure the num_beams x draft_len_per_beam shape (policy fixed), not the config's policy
+    shape = {"num_beams": args.num_beams, "draft_len_per_beam": args.draft_len_per_beam}
+    cfg.speculation = fixed_speculation(cfg.speculation, **{k: v for k, v in shape.items() if v})
     e = cfg.engine
     engine = build_engine(cfg)
     engines = {"plain": engine, "spec": engine}
@@ -117,7 +118,7 @@ def main() -> None:
     summary = {cat: summarize([r for r in rows if r["category"] == cat]) for cat in by_cat}
     summary["all"] = summarize(rows)
     lines = [
-        f"num_beams={engine.options.num_beams}, draft_len_per_beam={engine.options.draft_len_per_beam}, dtype={e.dtype}, "
+        f"num_beams={engine.speculation.num_beams}, draft_len_per_beam={engine.speculation.draft_len_per_beam}, dtype={e.dtype}, "
         f"threads={torch.get_num_threads()}, max_tokens={args.max_tokens}, runs={args.runs} (median)",
         "",
         "| category | prompts | plain tokens/s | plain, torch GEMM | spec tokens/s | speedup | spec tokens/step |",

@@ -4,7 +4,7 @@ Python glue (small torch ops, module calls) and the engine's scheduling and book
 
 The engine decodes the prompts at batch 1 (``--mode plain`` and/or ``spec``; spec at the config's
 ``num_beams`` x ``draft_len_per_beam`` or ``--num-beams``/``--draft-len-per-beam``, at every batch
-size, whatever the schedule says). Each part is timed by wrapping the function that does it
+size, whatever the config's ``speculation.policy`` says). Each part is timed by wrapping the function that does it
 (``time.perf_counter`` on entry and exit; about a microsecond per call) and counted exclusively:
 a wrapped call inside another wrapped part belongs to the inner part, except inside the drafter,
 the LM head and prompt lookup, which own everything they call (their linears count as drafting, not
@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 from bench_report import write_report
+from bench_spec import fixed_speculation
 
 from cluster.config import load_config
 from cluster.local_engine import build_engine
@@ -138,11 +139,10 @@ def main() -> None:
         ap.error(f"--modes takes plain and/or spec, got {args.modes!r}")
 
     cfg = load_config(args.config)
-    e = cfg.engine
-    shape = (args.num_beams or e.num_beams, args.draft_len_per_beam or e.draft_len_per_beam)
-    schedule = [{"max_batch_size": e.max_batch_size, "num_beams": shape[0], "draft_len_per_beam": shape[1]}]
-    cfg.engine = e.model_copy(update={"spec_schedule": schedule, "spec_schedule_by_kernel": None,
-                                      "num_beams": shape[0], "draft_len_per_beam": shape[1]})
+    spec = cfg.speculation
+    shape = (args.num_beams or spec.num_beams, args.draft_len_per_beam or spec.draft_len_per_beam)
+    # policy fixed: the shape at every batch size up to engine.max_batch_size
+    cfg.speculation = spec = fixed_speculation(spec, num_beams=shape[0], draft_len_per_beam=shape[1])
     timer = PartTimer()
     patch(timer)
     engine = build_engine(cfg)
@@ -173,11 +173,11 @@ def main() -> None:
         for k, v in parts.items():
             lines.append(f"| {k} | {v:.2f} | {v / (wall / steps * 1e3):.0%} | {timer.calls[k] / steps:.0f} |")
         tables.append("\n".join(lines))
-    header = (f"{'layer by layer (Python)' if args.unfused else 'fused decoder (one C call)'}; kernel {engine.compute_path}, threads {torch.get_num_threads()}, {len(ids)} prompts, max_tokens "
-              f"{args.max_tokens}, spec shape {shape[0]}x{shape[1]}, prompt lookup {e.prompt_lookup_num_tokens}")
+    header = (f"{'layer by layer (Python)' if args.unfused else 'fused decoder (one C call)'}; compute path {engine.compute_path}, threads {torch.get_num_threads()}, {len(ids)} prompts, max_tokens "
+              f"{args.max_tokens}, spec shape {shape[0]}x{shape[1]}, prompt lookup {spec.prompt_lookup_num_tokens}")
     table = header + "\n\n" + "\n\n".join(tables)
     print(table)
-    write_report(args.out, table, {"config": args.config, "kernel": engine.compute_path, "threads": torch.get_num_threads(),
+    write_report(args.out, table, {"config": args.config, "compute_path": engine.compute_path, "threads": torch.get_num_threads(),
                                    "fused_decoder": not args.unfused, "prompts": len(ids), "max_tokens": args.max_tokens, "shape": list(shape),
                                    "modes": results})
 

@@ -25,10 +25,10 @@ from pathlib import Path
 
 import torch
 from bench_report import write_report
+from bench_spec import fixed_speculation, forced_table
 
 from cluster.config import load_config
 from cluster.local_engine import build_engine
-from workers.speculation.schedule import fixed_schedule
 from workers.sampling_params import SamplingParams
 
 
@@ -51,9 +51,8 @@ def main() -> None:
 
     cfg = load_config(args.config)
     extra = args.max_width - 2
-    cfg.engine = cfg.engine.model_copy(update={
-        "num_beams": 1, "draft_len_per_beam": 1, "spec_schedule": None, "spec_schedule_by_kernel": None,
-        "prompt_lookup_num_tokens": max(extra, 1), "prompt_lookup_max_num_tokens": None})
+    cfg.speculation = fixed_speculation(cfg.speculation, num_beams=1, draft_len_per_beam=1,
+                                        prompt_lookup_num_tokens=max(extra, 1), prompt_lookup_max_num_tokens=None)
     engine = build_engine(cfg)
     if engine.drafter is None:
         raise SystemExit(f"{args.config}: no drafter (drafter.path), nothing to measure")
@@ -102,14 +101,14 @@ def main() -> None:
     for r in range(args.rounds):
         for name, mode, k, shape in configs:
             width["lookup"] = k
-            engine.spec_schedule = fixed_schedule(shape, cfg.engine.max_batch_size)
-            rounds[name].append(run(mode))
+            with forced_table(engine, shape, cfg.engine.max_batch_size):
+                rounds[name].append(run(mode))
         print(f"round {r + 1}/{args.rounds}: " + ", ".join(f"{n} {rounds[n][-1]['step']:.2f}" for n, *_ in configs),
               flush=True)
     med = {name: {p: statistics.median(x[p] for x in rs) for p in rs[0]} for name, rs in rounds.items()}
     plain = med["plain"]["step"]
     threads = torch.get_num_threads()
-    lines = [f"kernel {engine.compute_path}, threads {threads}, "
+    lines = [f"compute path {engine.compute_path}, threads {threads}, "
              f"prompt {len(ids)} tokens, max_tokens {args.max_tokens}, median of {args.rounds} interleaved rounds",
              "", "| rows verified | step ms | vs plain | forward ms | LM head ms | drafting ms |", "|---|---|---|---|---|---|"]
     for name, *_ in configs:
@@ -124,7 +123,7 @@ def main() -> None:
         "plain_ms": plain, "tree_ms": [med[str(r)]["step"] for r in range(2, args.max_width + 1)],
         "draft_position_ms": max(0.0, med["3, 2 drafted"]["step"] - med["3"]["step"]),
         "parts_ms": med, "rounds": rounds, "prompt_tokens": len(ids), "max_tokens": args.max_tokens,
-        "kernel": engine.compute_path, "num_threads": threads, "config": args.config})
+        "compute_path": engine.compute_path, "num_threads": threads, "config": args.config})
 
 
 if __name__ == "__main__":

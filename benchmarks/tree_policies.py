@@ -4,7 +4,7 @@ measured step costs (``cluster.evaluation.tree_sim``).
 The engine decodes the prompts plainly and greedily once (batch 1, the serving path), keeping each
 response token's hidden state; the drafter then proposes, from those hidden states, what it would
 draft after every response token (distinct first tokens, each continued greedily: the engine's
-``draft_search: distinct_first``), and the prompt-lookup beam is matched on the context as the engine
+``speculation.draft_search: distinct_first``), and the prompt-lookup beam is matched on the context as the engine
 does (``workers.redrafter.prompt_lookup``, its length doubling after a beam accepted whole). Each
 policy (beams x drafted tokens, lookup length) is replayed over the responses with exact greedy
 acceptance, and priced with the step-time table of ``benchmarks/tree_costs.py`` (``--costs``): the
@@ -84,7 +84,7 @@ def main() -> None:
     ap.add_argument("--shapes", default="1x1,1x2,1x3,2x1,2x2", help="num_beams x draft_len_per_beam, comma-separated")
     ap.add_argument("--lookup", default="0,1,2,3,4,8,2:8,3:8", help="prompt-lookup beam lengths, comma-separated: N "
                     "(0: none) or N:M (N tokens, doubling up to M after a beam accepted whole: "
-                    "engine.prompt_lookup_max_num_tokens)")
+                    "speculation.prompt_lookup_max_num_tokens)")
     ap.add_argument("--out", default="benchmarks/results/tree_policies")
     args = ap.parse_args()
 
@@ -103,14 +103,14 @@ def main() -> None:
     if not Path(args.prompts).is_file():
         ap.error(f"--prompts {args.prompts}: no such file")
     cfg = load_config(args.config)
-    e = cfg.engine
+    spec = cfg.speculation
     policies_lookup = {}
     for k in lookups:
         if len(k) > 2 or k[0] < 0 or (k[0] == 0 and len(k) == 2):
             ap.error(f"--lookup takes N (0: none) or N:M with 1 <= N <= M; got {':'.join(map(str, k))}")
         try:
             grow = k[1] if len(k) == 2 else None
-            policies_lookup[k] = PromptLookup(e.prompt_lookup_min, e.prompt_lookup_max, k[0], grow) if k[0] else None
+            policies_lookup[k] = PromptLookup(spec.prompt_lookup_min, spec.prompt_lookup_max, k[0], grow) if k[0] else None
         except ValueError as err:
             ap.error(f"--lookup {':'.join(map(str, k))}: {err}")
     try:
