@@ -378,8 +378,9 @@ def format_validation_error(err: ValidationError) -> str:
     lines = []
     for e in err.errors():
         field = ".".join(str(p) for p in e["loc"]).replace(".[key]", " (key)")  # a mapping's key is what is wrong
-        if not field and e["msg"].startswith("Value error, "):  # a cross-field check: its message names the field
-            lines.append(e["msg"].removeprefix("Value error, "))
+        own = e["msg"].removeprefix("Value error, ")
+        if own != e["msg"] and (not field or own.startswith(field + ".")):  # a section's or cross-section check:
+            lines.append(own)                                                # its message names the field
             continue
         lines.append(f"{field or '(top level)'}: {e['msg']}")
     return "\n".join(lines)

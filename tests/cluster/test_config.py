@@ -1,10 +1,11 @@
 """``cluster.config``: schema errors name the field; relative paths resolve against the YAML's directory."""
 
+import re
 from pathlib import Path
 
 import pytest
 
-from cluster.config import ConfigError, check_startable, load_config, parse_config
+from cluster.config import MOVED_KEYS, ConfigError, check_startable, load_config, parse_config
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -59,13 +60,14 @@ def test_every_preset_is_startable(preset):
 
 @pytest.mark.parametrize("preset", sorted(p.name for p in (REPO / "configs").glob("*.yaml")))
 def test_keyed_calibrations_were_measured_on_their_key(preset):
-    """A preset's spec_calibration_by_kernel entry names a file `rdserve calibrate` wrote on that
-    compute path (its "kernel" field), so a replica never reads another path's step costs."""
+    """A preset's speculation.by_compute_path calibration names a file `rdserve calibrate` wrote on
+    that compute path (its "compute_path" field), so a replica never reads another path's step costs."""
     import json
 
-    by_kernel = load_config(REPO / "configs" / preset).engine.spec_calibration_by_kernel or {}
-    for kernel, path in by_kernel.items():
-        assert json.loads(path.read_text())["kernel"] == kernel, (preset, path)
+    by_path = load_config(REPO / "configs" / preset).speculation.by_compute_path or {}
+    for name, entry in by_path.items():
+        if entry.calibration is not None:
+            assert json.loads(entry.calibration.read_text())["compute_path"] == name, (preset, entry.calibration)
 
 
 def test_relative_paths_resolve_against_the_config_directory(tmp_path):
@@ -77,8 +79,17 @@ def test_relative_paths_resolve_against_the_config_directory(tmp_path):
 @pytest.mark.parametrize(
     "yaml_text, field",
     [
-        ("engine: {num_beams: 17}", "engine.num_beams: Input should be less than or equal to 16"),
-        ("engine: {draft_len_per_beam: 0}", "engine.draft_len_per_beam"),
+        ("speculation: {num_beams: 17}", "speculation.num_beams: Input should be less than or equal to 16"),
+        ("speculation: {draft_len_per_beam: 0}", "speculation.draft_len_per_beam"),
+        ("speculation: {policy: sometimes}", "speculation.policy: Input should be 'fixed', 'table', 'auto' or 'off'"),
+        ("speculation: {policy: table}", "speculation.table: policy 'table' needs the rows"),
+        ("speculation: {policy: fixed, table: off}",
+         r"speculation.table: only read with policy 'table' \(policy is 'fixed'\)"),
+        ("speculation: {policy: fixed, calibration: c.json}",
+         r"speculation.calibration: only read with policy 'auto' or serve.pools \(policy is 'fixed'\)"),
+        ("speculation: {policy: auto, calibration: c.json}", "speculation.policy: 'auto' needs drafter.path"),
+        ("speculation: {policy: off, by_compute_path: {gguf-avx2: {table: [{max_batch_size: 1, num_beams: 1, "
+         "draft_len_per_beam: 1}]}}}", "speculation.by_compute_path: not used with policy 'off'"),
         ("engine: {nmu_beams: 4}", "engine.nmu_beams: Extra inputs are not permitted"),
         ("engine: {device: tpu}", "engine.device"),
         ("engine: {dtype: float8}", "engine.dtype"),
@@ -88,34 +99,36 @@ def test_relative_paths_resolve_against_the_config_directory(tmp_path):
         ("engine: {max_seq_len: 8}", "engine.max_seq_len"),
         ("engine: {decode_activations: int4}", "engine.decode_activations: Input should be 'auto', 'float32' or 'int8'"),
         ("engine: {decode_activations: int8, weights: float32}", "engine.decode_activations: 'int8' is for GGUF"),
-        ("engine: {prompt_lookup_num_tokens: -1}", "engine.prompt_lookup_num_tokens"),
-        ("engine: {prompt_lookup_min: 4, prompt_lookup_max: 3}", "engine.prompt_lookup_min: 4 is above"),
-        ("engine: {prompt_lookup_num_tokens: 0, prompt_lookup_max_num_tokens: 8}",
-         "engine.prompt_lookup_max_num_tokens: set, but engine.prompt_lookup_num_tokens is 0"),
-        ("engine: {max_num_tokens: 32, prompt_lookup_max_num_tokens: 32}",
+        ("speculation: {prompt_lookup_num_tokens: -1}", "speculation.prompt_lookup_num_tokens"),
+        ("speculation: {prompt_lookup_min: 4, prompt_lookup_max: 3}", "speculation.prompt_lookup_min: 4 is above"),
+        ("speculation: {prompt_lookup_num_tokens: 0, prompt_lookup_max_num_tokens: 8}",
+         "speculation.prompt_lookup_max_num_tokens: set, but speculation.prompt_lookup_num_tokens is 0"),
+        ("engine: {max_num_tokens: 32}\nspeculation: {prompt_lookup_max_num_tokens: 32}",
          "engine.max_num_tokens: 32 cannot hold one draft tree"),
-        ("engine: {prompt_lookup_num_tokens: 4, prompt_lookup_max_num_tokens: 3}",
-         "engine.prompt_lookup_max_num_tokens: 3 is below"),
-        ("engine: {prompt_lookup_num_tokens: 4, backend: tensorrt_llm}",
-         "engine.prompt_lookup_num_tokens: the prompt-lookup beam needs backend torch"),
-        ("engine: {spec_schedule_by_kernel: {avx2: off}}", r"engine.spec_schedule_by_kernel.avx2 \(key\): Value error, "
-         "'avx2' is not a kernel name: expected cuda or WEIGHTS-ISA"),
-        ("engine: {spec_schedule_by_kernel: {gguf-avx2: [{max_batch_size: 0, num_beams: 1, draft_len_per_beam: 1}]}}",
-         "engine.spec_schedule_by_kernel.gguf-avx2"),
-        ("engine: {spec_schedule: auto, spec_calibration: c.json, spec_schedule_by_kernel: {gguf-avx2: off}}\n"
-         "drafter: {path: d}", "engine.spec_schedule_by_kernel: not used with spec_schedule 'auto'"),
-        ("engine: {spec_schedule: auto, spec_calibration_by_kernel: {avx2: c.json}}\ndrafter: {path: d}",
-         r"engine.spec_calibration_by_kernel.avx2 \(key\): Value error, 'avx2' is not a kernel name"),
-        ("engine: {spec_calibration_by_kernel: {gguf-avx2: c.json}}",
-         "engine.spec_calibration_by_kernel: only read with spec_schedule 'auto'"),
-        ("engine: {spec_schedule: auto}\ndrafter: {path: d}",
-         "engine.spec_calibration: spec_schedule 'auto' needs the calibration JSON"),
-        ("engine: {spec_schedule: auto, spec_calibration_by_kernel: {gguf-avx2: c.json}, "
-         "spec_schedule_by_kernel: {gguf-avx2: off}}\ndrafter: {path: d}",
-         "engine.spec_schedule_by_kernel.gguf-avx2: not used with spec_schedule 'auto'"),
+        ("speculation: {prompt_lookup_num_tokens: 4, prompt_lookup_max_num_tokens: 3}",
+         "speculation.prompt_lookup_max_num_tokens: 3 is below"),
+        ("engine: {backend: tensorrt_llm}\nspeculation: {prompt_lookup_num_tokens: 4}",
+         "speculation.prompt_lookup_num_tokens: the prompt-lookup beam needs engine.backend torch"),
+        ("speculation: {by_compute_path: {avx2: {table: off}}}", r"speculation.by_compute_path.avx2 \(key\): Value "
+         "error, 'avx2' is not a compute path: expected cuda or WEIGHTS-ISA"),
+        ("speculation: {by_compute_path: {gguf-avx2: {table: [{max_batch_size: 0, num_beams: 1, "
+         "draft_len_per_beam: 1}]}}}",
+         "speculation.by_compute_path.gguf-avx2.table"),
+        ("speculation: {policy: auto, calibration: c.json, by_compute_path: {gguf-avx2: {table: off}}}\n"
+         "drafter: {path: d}", "speculation.by_compute_path.gguf-avx2.table: not used with policy 'auto' and "
+         "speculation.calibration"),
+        ("speculation: {policy: auto, by_compute_path: {avx2: {calibration: c.json}}}\ndrafter: {path: d}",
+         r"speculation.by_compute_path.avx2 \(key\): Value error, 'avx2' is not a compute path"),
+        ("speculation: {by_compute_path: {gguf-avx2: {calibration: c.json}}}",
+         r"speculation.by_compute_path.gguf-avx2.calibration: only read with policy 'auto' \(policy is 'fixed'\)"),
+        ("speculation: {policy: auto}\ndrafter: {path: d}",
+         "speculation.calibration: policy 'auto' needs the calibration JSON"),
+        ("speculation: {policy: auto, by_compute_path: {gguf-avx2: {calibration: c.json, table: off}}}\n"
+         "drafter: {path: d}", "speculation.by_compute_path.gguf-avx2: Value error, give exactly one of table and "
+         "calibration"),
         ("engine: {tp_size: 0}", "engine.tp_size"),
-        ("router: {default_mode: fast}", "router.default_mode"),
-        ("router: {spec_max_load: -1}", "router.spec_max_load"),
+        ("speculation: {default_mode: fast}", "speculation.default_mode"),
+        ("speculation: {spec_max_load: -1}", "speculation.spec_max_load"),
         ("serve: {replicas: 0}", "serve.replicas"),
         ("serve: {autoscaling: {min_replicas: 3, max_replicas: 2}}",
          "serve.autoscaling.max_replicas: Value error, must be >= min_replicas"),
@@ -142,8 +155,22 @@ def test_errors_name_the_field(tmp_path, yaml_text, field):
 
 def test_several_errors_one_line_each(tmp_path):
     with pytest.raises(ConfigError) as err:
-        load_config(write(tmp_path, "engine: {num_beams: 0, tp_size: 0}\n"))
-    assert {"engine.num_beams", "engine.tp_size"} <= {line.split(":")[0] for line in str(err.value).splitlines()}
+        load_config(write(tmp_path, "speculation: {num_beams: 0}\nengine: {tp_size: 0}\n"))
+    assert {"speculation.num_beams", "engine.tp_size"} <= {line.split(":")[0] for line in str(err.value).splitlines()}
+    with pytest.raises(ConfigError) as err:  # a section's own check leads with the field it names
+        load_config(write(tmp_path, "speculation: {policy: table}\nengine: {tp_size: 0}\n"))
+    assert {"speculation.table", "engine.tp_size"} <= {line.split(":")[0] for line in str(err.value).splitlines()}
+
+
+@pytest.mark.parametrize("section, key", list(MOVED_KEYS), ids=[f"{s}.{k}" for s, k in MOVED_KEYS])
+def test_moved_keys_fail_naming_their_new_place(tmp_path, section, key):
+    with pytest.raises(ConfigError, match=re.escape(f"{section}.{key}: moved to {MOVED_KEYS[section, key]}")):
+        load_config(write(tmp_path, f"{section}: {{{key}: 1}}\n"))
+
+
+def test_an_empty_router_section_fails_naming_the_speculation_section(tmp_path):
+    with pytest.raises(ConfigError, match="router: moved to the speculation section"):
+        load_config(write(tmp_path, "router: {}\n"))
 
 
 def test_unreadable_and_non_mapping_files(tmp_path):
@@ -169,33 +196,50 @@ def test_check_startable_names_the_field(tmp_path, data, field):
         check_startable(parse_config(data, tmp_path), cuda_available=False)
 
 
-def test_calibrations_by_kernel_resolve_and_fall_back(tmp_path):
-    """Keyed calibrations resolve against the config's directory; a path without an entry reads
-    spec_calibration; with keyed calibrations and no spec_calibration, tables serve the other paths."""
-    cfg = load_config(write(tmp_path, "engine: {spec_schedule: auto, spec_calibration: all.json, "
-                            "spec_calibration_by_kernel: {gguf-avx2-int8: ../a.json}}\ndrafter: {path: d}\n"))
-    assert cfg.engine.calibration_for("gguf-avx2-int8") == tmp_path.parent / "a.json"
-    assert cfg.engine.calibration_for("cuda") == tmp_path / "all.json"
-    assert set(cfg.engine.calibration_files()) == {"engine.spec_calibration",
-                                                   "engine.spec_calibration_by_kernel.gguf-avx2-int8"}
-    cfg = load_config(write(tmp_path, "engine: {spec_schedule: auto, spec_calibration_by_kernel: {gguf-avx2-int8: "
-                            "a.json}, spec_schedule_by_kernel: {gguf-avx2: off}}\ndrafter: {path: d}\n"))
-    assert cfg.engine.calibration_for("gguf-avx2") is None
+def test_calibrations_by_compute_path_resolve_and_fall_back(tmp_path):
+    """Calibrations by compute path resolve against the config's directory; a path without an entry
+    reads speculation.calibration; with calibrations by path and no speculation.calibration, tables
+    serve the other paths."""
+    from workers.speculation.policy import select_policy
+
+    cfg = load_config(write(tmp_path, "speculation: {policy: auto, calibration: all.json, "
+                            "by_compute_path: {gguf-avx2-int8: {calibration: ../a.json}}}\ndrafter: {path: d}\n"))
+    assert cfg.speculation.calibration_for("gguf-avx2-int8") == tmp_path.parent / "a.json"
+    assert cfg.speculation.calibration_for("cuda") == tmp_path / "all.json"
+    assert set(cfg.speculation.calibration_files()) == {"speculation.calibration",
+                                                        "speculation.by_compute_path.gguf-avx2-int8.calibration"}
+    cfg = load_config(write(tmp_path, "speculation: {policy: auto, by_compute_path: {gguf-avx2-int8: {calibration: "
+                            "a.json}, gguf-avx2: {table: off}}}\ndrafter: {path: d}\n"))
+    assert cfg.speculation.calibration_for("gguf-avx2") is None
+    assert select_policy(cfg.speculation, "gguf-avx2", 16).source == "speculation.by_compute_path.gguf-avx2.table"
 
 
 def test_check_startable_reads_every_keyed_calibration(tmp_path):
+    import json
+
     (tmp_path / "d").mkdir()
     (tmp_path / "d" / "config.json").write_text("{}")
     (tmp_path / "bad.json").write_text("{}")
-    cfg = parse_config({"drafter": {"path": "d"}, "engine": {"spec_schedule": "auto", "spec_calibration_by_kernel": {
-        "gguf-avx2-int8": str(REPO / "configs" / "local.calibration.avx2-int8.json"), "cuda": "bad.json"}}}, tmp_path)
-    with pytest.raises(ConfigError, match="engine.spec_calibration_by_kernel.cuda: .*bad.json: not a usable calibration"):
+    avx2_int8 = REPO / "configs" / "local.calibration.avx2-int8.json"
+
+    def by_compute_path(entries):
+        return parse_config({"drafter": {"path": "d"}, "speculation": {"policy": "auto", "by_compute_path": {
+            name: {"calibration": str(path)} for name, path in entries.items()}}}, tmp_path)
+
+    cfg = by_compute_path({"gguf-avx2-int8": avx2_int8, "cuda": "bad.json"})
+    with pytest.raises(ConfigError, match=r"speculation\.by_compute_path\.cuda\.calibration: .*bad\.json: not a usable "
+                                          "calibration"):
         check_startable(cfg, cuda_available=False)
-    cfg = parse_config({"drafter": {"path": "d"}, "engine": {"spec_schedule": "auto", "spec_calibration_by_kernel": {
-        "gguf-avx2": str(REPO / "configs" / "local.calibration.avx2-int8.json")}}}, tmp_path)
-    with pytest.raises(ConfigError, match="engine.spec_calibration_by_kernel.gguf-avx2: .* was measured on compute "
-                                          "path gguf-avx2-int8, not gguf-avx2"):
-        check_startable(cfg, cuda_available=False)
+    with pytest.raises(ConfigError, match=r"speculation\.by_compute_path\.gguf-avx2\.calibration: .* was measured on "
+                                          "compute path gguf-avx2-int8, not gguf-avx2"):
+        check_startable(by_compute_path({"gguf-avx2": avx2_int8}), cuda_available=False)
+    older = json.loads(avx2_int8.read_text())  # files written before the rename say "kernel"
+    older["kernel"] = older.pop("compute_path")
+    (tmp_path / "older.json").write_text(json.dumps(older))
+    with pytest.raises(ConfigError, match=r"speculation\.by_compute_path\.gguf-avx2\.calibration: .* was measured on "
+                                          "compute path gguf-avx2-int8, not gguf-avx2"):
+        check_startable(by_compute_path({"gguf-avx2": "older.json"}), cuda_available=False)
+    check_startable(by_compute_path({"gguf-avx2-int8": "older.json"}), cuda_available=False)
 
 
 def test_check_startable_accepts_the_defaults(tmp_path):
@@ -234,15 +278,15 @@ def test_colocate_auto_means_exactly_one_engine_replica(tmp_path, yaml_text, col
 
 def test_draft_search_is_validated_and_needs_backend_torch(tmp_path):
     """'distinct_first' is the default; a bad value names the field; TensorRT-LLM drafts by beam search."""
-    assert load_config(write(tmp_path, "drafter: {path: d}\n")).engine.draft_search == "distinct_first"
-    with pytest.raises(ValueError, match="engine.draft_search"):
-        load_config(write(tmp_path, "engine: {draft_search: greedy}\ndrafter: {path: d}\n"))
-    with pytest.raises(ValueError, match="engine.draft_search: 'distinct_first' needs backend torch"):
-        load_config(write(tmp_path, "engine: {backend: tensorrt_llm, draft_search: distinct_first, "
+    assert load_config(write(tmp_path, "drafter: {path: d}\n")).speculation.draft_search == "distinct_first"
+    with pytest.raises(ValueError, match=r"speculation\.draft_search"):
+        load_config(write(tmp_path, "speculation: {draft_search: greedy}\ndrafter: {path: d}\n"))
+    with pytest.raises(ValueError, match=r"speculation\.draft_search: 'distinct_first' needs engine\.backend torch"):
+        load_config(write(tmp_path, "engine: {backend: tensorrt_llm}\nspeculation: {draft_search: distinct_first, "
                                     "prompt_lookup_num_tokens: 0}\ndrafter: {path: d}\n"))
-    cfg = load_config(write(tmp_path, "engine: {backend: tensorrt_llm, draft_search: beam, prompt_lookup_num_tokens: 0}\n"
-                                      "drafter: {path: d}\n"))
-    assert cfg.engine.draft_search == "beam"
+    cfg = load_config(write(tmp_path, "engine: {backend: tensorrt_llm}\nspeculation: {draft_search: beam, "
+                                      "prompt_lookup_num_tokens: 0}\ndrafter: {path: d}\n"))
+    assert cfg.speculation.draft_search == "beam"
 
 
 def test_max_seq_len_beyond_the_models_positions_fails_at_start(tmp_path):
