@@ -14,7 +14,7 @@ streaming, greedy, on the same chat prompts:
   which keeps most of a core busy itself. Target: >= 0.8x the light client's tokens/s.
 
 Output tokens/s is completion tokens (the server's ``usage``) over the wall time of the run. Prints
-a Markdown table naming the CPU and the compute path (``/health``'s ``kernel``) and writes JSON.
+a Markdown table naming the CPU and the compute path (``/health``'s ``compute_path``) and writes JSON.
 ``--env KEY=VALUE`` (repeatable) sets variables for the server only, to compare settings (e.g.
 ``GOMP_SPINCOUNT``, ``RAY_worker_niceness``).
 
@@ -142,7 +142,7 @@ def main() -> None:
     results: dict = {"cpu": cpu_model(), "config": args.config, "env": env, "max_tokens": args.max_tokens, "cases": {}}
     try:
         health = httpx.get(f"{base_url}/health", timeout=10).json()
-        results["kernel"] = health.get("compute_path")
+        results["compute_path"] = health.get("compute_path")
         results["serving_processes"] = serving_processes(proc.pid)
         batch1 = rows[: args.num_requests]
         served_run(base_url, model, rows[:2], 2, 1, "plain", 16)  # warm-up
@@ -172,7 +172,7 @@ def main() -> None:
                 cases[f"AIPerf, c={c}"]["output_throughput"] / cases[f"light client, c={c}"]["output_throughput"])
     results["ratios"] = ratios
     procs = ", ".join(sorted({f"{p['title']} nice {p['nice']}" for p in results["serving_processes"]}))
-    lines = [f"CPU: {results['cpu']}; compute path: {results['kernel']}; config {args.config}; "
+    lines = [f"CPU: {results['cpu']}; compute path: {results['compute_path']}; config {args.config}; "
              f"server env {env or 'default'}; {args.max_tokens} tokens per request, greedy, streaming", "",
              f"Serving processes: {procs}", "",
              "| case | concurrency | output tokens/s |", "|---|---|---|"]

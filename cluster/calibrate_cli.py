@@ -272,7 +272,7 @@ def _write_schedule(config: Path, rows, note: str) -> None:
 
     rt, data = _round_trip(config)
     spec = data.setdefault("speculation", CommentedMap())
-    spec["policy"] = "off" if rows == "off" else "table"
+    spec["policy"] = _yaml_rows("off") if rows == "off" else "table"
     spec.ca.items.pop("policy", None)  # replace the note of an earlier calibration
     spec.yaml_add_eol_comment(note, "policy")
     if rows == "off":

@@ -98,7 +98,7 @@ def pod_config(cfg: RdserveConfig) -> RdserveConfig:
         raise ConfigError(f"kubernetes.worker_cpus: {k8s.worker_cpus} is fewer than serve.num_cpus_per_replica "
                           f"({cpus:g}); an engine replica would not fit its pod")
     for field, path in (("model.path", cfg.model.path), ("drafter.path", cfg.drafter.path),
-                        *cfg.engine.calibration_files().items()):
+                        *cfg.speculation.calibration_files().items()):
         if path is not None and not path.is_relative_to(PROJECT_ROOT) and \
                 not PurePosixPath(path.as_posix()).is_relative_to(k8s.models_mount):
             raise ConfigError(f"{field}: {path} is neither in the project (copied into the image) nor under "

@@ -30,8 +30,8 @@ def tiny_config_path(tmp_path_factory) -> Path:
     path.write_text(
         f"model: {{name: {MODEL_NAME}, path: model}}\n"
         "drafter: {path: drafter}\n"
-        f"engine: {{num_beams: 2, draft_len_per_beam: 3, max_seq_len: {MAX_SEQ_LEN}, num_threads: 1}}\n"
-        "router: {spec_max_load: 64, default_mode: auto}\n"
+        f"engine: {{max_seq_len: {MAX_SEQ_LEN}, num_threads: 1}}\n"
+        "speculation: {num_beams: 2, draft_len_per_beam: 3, spec_max_load: 64, default_mode: auto}\n"
     )
     return path
 
@@ -61,7 +61,8 @@ def base_url(tiny_config):
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         deploy(tiny_config)
-        no_spec = tiny_config.model_copy(update={"router": tiny_config.router.model_copy(update={"spec_max_load": 0})})
+        no_spec = tiny_config.model_copy(update={"speculation": tiny_config.speculation.model_copy(
+            update={"spec_max_load": 0})})
         deploy(no_spec, name="auto0", route_prefix="/auto0")
         url = f"http://127.0.0.1:{port}"
         assert httpx.get(f"{url}/health", timeout=30).status_code == 200

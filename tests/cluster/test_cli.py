@@ -17,10 +17,11 @@ REQUIRED_KEYS = {"text", "token_ids", "num_steps", "accepted_draft_tokens", "tok
 @pytest.mark.parametrize(
     "yaml_text, field",
     [
-        ("engine:\n  num_beams: 17\n", "engine.num_beams"),
+        ("speculation:\n  num_beams: 17\n", "speculation.num_beams"),
+        ("engine:\n  num_beams: 2\n", "engine.num_beams: moved to speculation.num_beams"),
         ("engine:\n  backend: tensorrt_llm\n", "engine.backend"),
-        ("engine:\n  spec_schedule: [{max_batch_size: 4, num_beams: 2, draft_len_per_beam: 2},\n"
-         "    {max_batch_size: 2, num_beams: 1, draft_len_per_beam: 1}]\n", "engine.spec_schedule"),
+        ("speculation:\n  policy: table\n  table: [{max_batch_size: 4, num_beams: 2, draft_len_per_beam: 2},\n"
+         "    {max_batch_size: 2, num_beams: 1, draft_len_per_beam: 1}]\n", "speculation.table"),
         ("drafter:\n  path: no/such/dir\n", "drafter.path"),
     ],
 )

@@ -28,7 +28,8 @@ def _free_port() -> int:
 def test_contention_smoke_serves_every_case_from_fairly_scheduled_processes(tiny_config_path, tmp_path):
     config = tiny_config_path.parent / "contention.yaml"
     config.write_text(f"model: {{name: {MODEL_NAME}, path: model}}\ndrafter: {{path: drafter}}\n"
-                      f"engine: {{num_beams: 2, draft_len_per_beam: 3, max_seq_len: {MAX_SEQ_LEN}, num_threads: 2}}\n"
+                      f"engine: {{max_seq_len: {MAX_SEQ_LEN}, num_threads: 2}}\n"
+                      "speculation: {num_beams: 2, draft_len_per_beam: 3}\n"
                       f"serve: {{port: {_free_port()}}}\nobservability: {{metrics_port: {_free_port()}}}\n")
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"messages": [{"role": "user", "content": q}]}) + "\n"
@@ -46,4 +47,4 @@ def test_contention_smoke_serves_every_case_from_fairly_scheduled_processes(tiny
     assert any("OpenAIIngress" in p["title"] or "EngineReplica" in p["title"] for p in processes), processes  # ours only
     assert all(p["nice"] == 0 and p["GOMP_SPINCOUNT"] == SERVE_ENV["GOMP_SPINCOUNT"] for p in processes), processes
     assert "busy loop / quiet (batch 1; target >= 0.5)" in report["ratios"]
-    assert report["kernel"] and report["cpu"]
+    assert report["compute_path"] and report["cpu"]

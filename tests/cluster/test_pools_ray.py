@@ -32,10 +32,12 @@ CALIBRATION = {"plain_step_s": {"1": 0.030, "4": 0.040, "8": 0.060},
 def pools_url(base_url, tiny_config, tmp_path_factory):
     path = tmp_path_factory.mktemp("pools") / "calibration.json"
     path.write_text(json.dumps(CALIBRATION))
-    engine = tiny_config.engine.model_copy(update={"spec_calibration": path, "num_threads": 1})
+    engine = tiny_config.engine.model_copy(update={"num_threads": 1})
+    spec = tiny_config.speculation.model_copy(update={"calibration": path})
     pools = PoolsConfig(spec=PoolConfig(replicas=1), plain=PoolConfig(replicas=1))
     serve_cfg = tiny_config.serve.model_copy(update={"pools": pools, "num_cpus_per_replica": 0.5})
-    deploy(tiny_config.model_copy(update={"engine": engine, "serve": serve_cfg}), name="pools", route_prefix="/pools")
+    deploy(tiny_config.model_copy(update={"engine": engine, "speculation": spec, "serve": serve_cfg}), name="pools",
+           route_prefix="/pools")
     yield f"{base_url}/pools"
     serve.delete("pools")
 

@@ -129,7 +129,7 @@ def test_closing_the_stream_aborts_the_request_and_frees_its_blocks(replica):
 
 
 def test_a_path_without_calibration_admits_spec_as_far_as_its_fallback_drafts(tiny_config, tmp_path):
-    """spec_schedule auto, but no calibration for this replica's compute path: the engine drafts at
+    """Policy auto, but no calibration for this replica's compute path: the engine drafts at
     batch 1 only, and the router's threshold (responses' mode, /health) follows that, not the
     config's spec_max_load."""
     import json
@@ -137,13 +137,14 @@ def test_a_path_without_calibration_admits_spec_as_far_as_its_fallback_drafts(ti
     from cluster.replica import EngineReplica
 
     other = tmp_path / "cuda.json"
-    other.write_text(json.dumps({"kernel": "cuda", "plain_step_s": {"1": 0.01}, "spec_step_s": {"1:2x3": 0.012},
+    other.write_text(json.dumps({"compute_path": "cuda", "plain_step_s": {"1": 0.01}, "spec_step_s": {"1:2x3": 0.012},
                                  "tokens_per_step": {"2x3": 2.0}}))
-    eng = tiny_config.engine.model_copy(update={"spec_schedule": "auto", "spec_calibration_by_kernel": {"cuda": other}})
-    router = tiny_config.router.model_copy(update={"spec_max_load": 5})
-    replica = EngineReplica.func_or_class(tiny_config.model_copy(update={"engine": eng, "router": router}))
+    spec = tiny_config.speculation.model_validate({
+        **tiny_config.speculation.model_dump(exclude_unset=True), "policy": "auto", "spec_max_load": 5,
+        "by_compute_path": {"cuda": {"calibration": other}}})
+    replica = EngineReplica.func_or_class(tiny_config.model_copy(update={"speculation": spec}))
     try:
-        assert not replica.per_iteration and replica.router.spec_max_load == 1
+        assert not replica.per_iteration and replica.spec_cfg.spec_max_load == 1
         stats = replica.stats()
         assert stats["spec_max_load"] == 1 and stats["spec_schedule"] == "2x3<=1, off above"
     finally:
@@ -151,15 +152,15 @@ def test_a_path_without_calibration_admits_spec_as_far_as_its_fallback_drafts(ti
 
 
 def test_a_forced_spec_where_speculation_is_off_is_plain_and_says_why(tiny_config):
-    """A drafter with ``engine.spec_schedule: off`` never drafts (no tree shape, none in the KV cache):
+    """A drafter with ``speculation.policy: off`` never drafts (no tree shape, none in the KV cache):
     a request forcing spec is decoded plain and the response says so, instead of claiming spec."""
-    eng = tiny_config.engine.model_copy(update={"spec_schedule": "off"})
-    off = EngineReplica.func_or_class(tiny_config.model_copy(update={"engine": eng}))
+    spec = tiny_config.speculation.model_copy(update={"policy": "off"})
+    off = EngineReplica.func_or_class(tiny_config.model_copy(update={"speculation": spec}))
     try:
         assert off.engine.speculative_available and off.engine.forced_shape is None
         items = asyncio.run(collect(off.generate(request(8, "spec"))))
         assert isinstance(items[0], Started) and items[0].mode == "plain"
-        assert items[0].reason == "speculation off (engine.spec_schedule) (requested spec)"
+        assert items[0].reason == "speculation off (speculation.policy) (requested spec)"
         assert items[-1].finished and items[-1].accepted_draft_tokens == 0
     finally:
         off.async_engine.shutdown()

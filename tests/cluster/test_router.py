@@ -40,21 +40,20 @@ def test_unknown_mode_is_rejected():
         choose_mode(1, "fast", SpeculationConfig(), True)
 
 
-def test_router_threshold_follows_the_kernels_schedule():
-    from cluster.router import router_for_kernel
+def test_admission_threshold_follows_the_compute_paths_table():
+    """A compute path's own table sets how far auto requests are admitted as speculative (its largest
+    speculating batch); elsewhere ``speculation.spec_max_load`` stands."""
+    from workers.speculation.policy import select_policy
 
-    cfg = SpeculationConfig(spec_max_load=2)
-    table = {"gguf-avx2": [{"max_batch_size": 4, "num_beams": 2, "draft_len_per_beam": 2},
-                           {"max_batch_size": 8, "num_beams": 1, "draft_len_per_beam": 2},
-                           {"max_batch_size": 16, "num_beams": 0, "draft_len_per_beam": 0}],
-             "gguf-avx512-int8": "off"}
-    from workers.speculation.schedule import validate_schedule
-
-    table = {k: validate_schedule(v) for k, v in table.items()}
-    assert router_for_kernel(cfg, table, "gguf-avx2").spec_max_load == 8
-    assert router_for_kernel(cfg, table, "gguf-avx512-int8").spec_max_load == 0
-    assert router_for_kernel(cfg, table, "float32-torch") is cfg and router_for_kernel(cfg, None, "cuda") is cfg
-    assert cfg.spec_max_load == 2
+    spec = SpeculationConfig(spec_max_load=2, by_compute_path={
+        "gguf-avx2": {"table": [{"max_batch_size": 4, "num_beams": 2, "draft_len_per_beam": 2},
+                                {"max_batch_size": 8, "num_beams": 1, "draft_len_per_beam": 2},
+                                {"max_batch_size": 16, "num_beams": 0, "draft_len_per_beam": 0}]},
+        "gguf-avx512-int8": {"table": "off"}})
+    assert select_policy(spec, "gguf-avx2", 16).spec_max_load == 8
+    assert select_policy(spec, "gguf-avx512-int8", 16).spec_max_load == 0
+    assert select_policy(spec, "float32-torch", 16).spec_max_load is None  # the configured 2 stands
+    assert select_policy(spec, "float32-torch", 16).policy.shapes == [(4, 4)]  # fixed: the configured shape
 
 
 def test_speculation_unavailable_for_another_cause_says_which():

@@ -1,4 +1,4 @@
-"""``engine.spec_schedule: auto`` on a real (tiny) engine: the live goodput model decides per iteration.
+"""``speculation.policy: auto`` on a real (tiny) engine: the live goodput model decides per iteration.
 
 Whatever it decides (shape, plain, per-request gating), greedy output stays the requests' plain
 output; high load turns speculation off; traffic whose drafts fail turns it off by itself.
@@ -22,7 +22,7 @@ COSTS = StepCosts(plain_s={1: 0.010, 2: 0.012, 4: 0.020, 8: 0.040},
 
 def make_engine(tiny_model_dirs, trained_drafter_dirs, controller) -> Engine:
     return load_engine(str(tiny_model_dirs["tied_gqa2"]), str(trained_drafter_dirs["tied_gqa2"]), spec_policy=controller,
-                  spec_schedule="auto", max_seq_len=256, max_batch_size=8, max_num_tokens=256, max_prefill_chunk=64,
+                       max_seq_len=256, max_batch_size=8, max_num_tokens=256, max_prefill_chunk=64,
                   tokens_per_block=4, num_kv_blocks=800)
 
 
@@ -44,7 +44,7 @@ def decode_all(engine: Engine, ids: list[list[int]], mode: str, max_tokens: int 
 def test_auto_is_lossless_and_switches_off_under_load(tiny_model_dirs, trained_drafter_dirs):
     controller = SpecController(COSTS, ControllerSettings(margin=0.05, patience=2))
     engine = make_engine(tiny_model_dirs, trained_drafter_dirs, controller)
-    assert engine.spec_schedule == "auto"
+    assert engine.spec_policy.live
     ids = prompts(engine, 8)
     seen = []
     real = controller.shape_for
@@ -105,35 +105,36 @@ def _calibration(path, kernel: str, spec_at_1: float):
     """A calibration JSON (``rdserve calibrate``'s form) for the tiny engine's 2x3 shape."""
     import json
 
-    path.write_text(json.dumps({"kernel": kernel, "plain_step_s": {"1": 0.010, "8": 0.040},
+    path.write_text(json.dumps({"compute_path": kernel, "plain_step_s": {"1": 0.010, "8": 0.040},
                                 "spec_step_s": {"1:2x3": spec_at_1, "8:2x3": 0.090}, "tokens_per_step": {"2x3": 2.0}}))
     return path
 
 
 def test_each_compute_path_reads_its_own_calibration(tiny_config, tmp_path):
-    """engine.spec_calibration_by_kernel: the replica's path entry drives the goodput model; a path
-    without one decodes by its spec_schedule_by_kernel table, else the configured shape at batch 1 only."""
+    """speculation.by_compute_path: the replica's path entry drives the goodput model; a path without
+    one reads speculation.calibration, else its own table, else decodes the configured shape at batch 1 only."""
     from cluster.local_engine import build_engine
 
-    plain_cfg = tiny_config.model_copy(update={"engine": tiny_config.engine.model_copy(update={"spec_schedule": "off"})})
-    kernel = build_engine(plain_cfg).compute_path
+    spec = tiny_config.speculation
 
     def engine_with(**update):
-        eng = tiny_config.engine.model_copy(update={"spec_schedule": "auto", **update})
-        return build_engine(tiny_config.model_copy(update={"engine": eng}))
+        cfg = spec.model_validate({**spec.model_dump(exclude_unset=True), **update})
+        return build_engine(tiny_config.model_copy(update={"speculation": cfg}))
 
-    mine = _calibration(tmp_path / "mine.json", kernel, 0.012)
+    path = engine_with(policy="off").compute_path
+    mine = _calibration(tmp_path / "mine.json", path, 0.012)
     other = _calibration(tmp_path / "other.json", "cuda", 0.500)
-    engine = engine_with(spec_calibration_by_kernel={kernel: mine, "cuda": other})
-    assert engine.spec_schedule == "auto" and engine.spec_policy.costs.spec_s[(2, 3)][1] == 0.012
+    engine = engine_with(policy="auto", by_compute_path={path: {"calibration": mine}, "cuda": {"calibration": other}})
+    assert engine.spec_policy.live and engine.spec_policy.costs.spec_s[(2, 3)][1] == 0.012
     assert engine.spec_policy.shape_for(1) == (2, 3)  # this path's costs: the tree pays alone
-    engine = engine_with(spec_calibration_by_kernel={"cuda": other}, spec_calibration=mine)
-    assert engine.spec_policy.costs.spec_s[(2, 3)][1] == 0.012  # no entry for this path: spec_calibration
+    engine = engine_with(policy="auto", by_compute_path={"cuda": {"calibration": other}}, calibration=mine)
+    assert engine.spec_policy.costs.spec_s[(2, 3)][1] == 0.012  # no entry for this path: speculation.calibration
     table = [{"max_batch_size": 3, "num_beams": 1, "draft_len_per_beam": 2}]
-    engine = engine_with(spec_calibration_by_kernel={"cuda": other}, spec_schedule_by_kernel={kernel: table})
-    assert [r.model_dump() for r in engine.spec_schedule] == table  # then its table
-    engine = engine_with(spec_calibration_by_kernel={"cuda": other})
-    assert [r.model_dump() for r in engine.spec_schedule] == [{"max_batch_size": 1, "num_beams": 2, "draft_len_per_beam": 3}]
+    engine = engine_with(policy="auto", by_compute_path={"cuda": {"calibration": other}, path: {"table": table}})
+    assert [r.model_dump() for r in engine.spec_policy.table] == table  # then its table
+    engine = engine_with(policy="auto", by_compute_path={"cuda": {"calibration": other}})
+    assert [r.model_dump() for r in engine.spec_policy.table] == \
+        [{"max_batch_size": 1, "num_beams": 2, "draft_len_per_beam": 3}]
 
 
 def test_a_request_forcing_spec_drafts_every_step_while_the_model_decodes_the_rest_plain(

@@ -119,8 +119,9 @@ def test_greedy_spec_matches_plain_over_random_cases(engines, weights):
             params = SamplingParams(max_tokens=params.max_tokens, stop=(rng.choice(stops),))
             plain = run(engine, prompt, params, "plain")
         spec = run(engine, prompt, params, "spec")
-        assert_same(spec, plain, f"case {case}: {variant} beams={engine.options.num_beams} "
-                                 f"draft_len={engine.options.draft_len_per_beam} {engine.options.draft_search} params={params}")
+        assert_same(spec, plain, f"case {case}: {variant} beams={engine.speculation.num_beams} "
+                                 f"draft_len={engine.speculation.draft_len_per_beam} {engine.speculation.draft_search} "
+                                 f"params={params}")
         multi_token_steps += sum(a >= 2 for a in spec.step_accepted)
     assert multi_token_steps >= 20, "the drafter was rarely accepted; the comparison is weak"
 

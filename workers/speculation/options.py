@@ -14,11 +14,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 from workers.compute_path import check_compute_path_name
-from workers.redrafter.beam_search import DRAFT_SEARCHES
-from workers.speculation.schedule import SpecSchedule
+from workers.speculation.schedule import SpecSchedule, yaml_off
 
 POLICIES = ("fixed", "table", "auto", "off")
 
@@ -57,7 +56,7 @@ class ComputePathPolicy(_Options):
 class SpeculationOptions(_Options):
     """The draft tree and when to draft (TensorRT-LLM and vLLM option names where they exist)."""
 
-    policy: Literal["fixed", "table", "auto", "off"] = Field(
+    policy: Annotated[Literal["fixed", "table", "auto", "off"], BeforeValidator(yaml_off)] = Field(
         "fixed", description="'fixed': num_beams x draft_len_per_beam at every batch size; 'table': the rows of "
         "speculation.table by number of generation requests; 'auto': the goodput model picks plain or a shape every "
         "iteration from speculation.calibration's step costs and live acceptance; 'off': never draft")
@@ -143,5 +142,3 @@ class SpeculationOptions(_Options):
             files["speculation.calibration"] = self.calibration
         return files
 
-
-assert set(DRAFT_SEARCHES) == {"beam", "distinct_first"}, "SpeculationOptions.draft_search lists the searches"

@@ -81,12 +81,12 @@ def validate_schedule(table: str | list) -> "SpecSchedule":
     return rows
 
 
-def _yaml_off(value):
+def yaml_off(value):
     """YAML 1.1 (PyYAML) reads an unquoted ``off`` as ``False``; take it as ``"off"``."""
     return "off" if value is False else value
 
 
-SpecSchedule = Annotated[Union[Literal["off"], list[SpecScheduleRow]], BeforeValidator(_yaml_off),
+SpecSchedule = Annotated[Union[Literal["off"], list[SpecScheduleRow]], BeforeValidator(yaml_off),
                          AfterValidator(validate_schedule)]
 """Config field type: pydantic parses the rows and :func:`validate_schedule` checks their order."""
 

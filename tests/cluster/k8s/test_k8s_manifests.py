@@ -145,7 +145,7 @@ def test_fixed_replicas_and_two_pools(tmp_path):
     assert [(g["groupName"], g["minReplicas"], g["maxReplicas"]) for g in fixed["workerGroupSpecs"]] == \
         [("engine", 3, 3)]
     assert "enableInTreeAutoscaling" not in fixed
-    pools = _config(tmp_path, f"engine: {{spec_calibration: {PROJECT_ROOT}/configs/local.calibration.json, "
+    pools = _config(tmp_path, f"speculation: {{calibration: {PROJECT_ROOT}/configs/local.calibration.json, "
                     "num_beams: 2, draft_len_per_beam: 2}\n"
                     "serve: {pools: {spec: {replicas: 2}, plain: {autoscaling: {min_replicas: 1, max_replicas: 4}}}}\n")
     cluster = manifests(pools)["rayservice.yaml"]["spec"]["rayClusterConfig"]
@@ -189,8 +189,8 @@ def test_pod_config_rejects_what_a_pod_cannot_run(tmp_path):
         manifests(_config(tmp_path, "serve: {num_cpus_per_replica: 8}\nkubernetes: {worker_cpus: 4}\n"))
     with pytest.raises(ConfigError, match="model.path: .* kubernetes.models_claim is null"):
         manifests(_config(tmp_path, "model: {path: /models/llama}\n"))
-    with pytest.raises(ConfigError, match="engine.spec_calibration: /home/me/cal.json is neither"):
-        manifests(_config(tmp_path, "engine: {spec_schedule: auto, spec_calibration: /home/me/cal.json}\n"))
+    with pytest.raises(ConfigError, match="speculation.calibration: /home/me/cal.json is neither"):
+        manifests(_config(tmp_path, "speculation: {policy: auto, calibration: /home/me/cal.json}\n"))
     with pytest.raises(ConfigError, match="observability.metrics_port: port 8080 is already serve.port"):
         manifests(_config(tmp_path, "serve: {port: 8080}\nobservability: {metrics_port: 8080}\n"))
     with pytest.raises(ConfigError, match="serve.port: port 8265 is already Ray's dashboard port"):

@@ -64,7 +64,7 @@ def test_presets_drain_for_their_graceful_shutdown(preset, rayservice_schema):
 ])
 def test_drain_follows_the_config(tmp_path, serve_section, expected, rayservice_schema):
     path = tmp_path / "c.yaml"
-    calibration = f"engine: {{spec_calibration: {PROJECT_ROOT}/configs/local.calibration.json, num_beams: 2, " \
+    calibration = f"speculation: {{calibration: {PROJECT_ROOT}/configs/local.calibration.json, num_beams: 2, " \
                   "draft_len_per_beam: 2}\n" if "pools" in serve_section else ""
     path.write_text(f"drafter: {{path: {PROJECT_ROOT}/workers/drafters/smollm2-135m-instruct}}\n{calibration}"
                     f"{serve_section}\n")
