@@ -71,7 +71,7 @@ def render(
     cfg = _config(config)
     from pydantic import ValidationError
 
-    from cluster.k8s.settings import KubernetesConfig
+    from cluster.config.kubernetes import KubernetesConfig
 
     try:  # the options obey the config's rules (a DNS-label namespace, a non-empty image)
         KubernetesConfig.model_validate({**cfg.kubernetes.model_dump(), "image": image or cfg.kubernetes.image,

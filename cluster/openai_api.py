@@ -36,7 +36,8 @@ from cluster.protocol import (
     error_body,
     validation_error,
 )
-from cluster.auth import ApiKeys, BearerAuth, resolve_keys
+from cluster.auth import ApiKeys, BearerAuth
+from cluster.config.keys import resolve_keys
 from cluster.body_limit import BodyLimit, BodyLimitSetting
 from cluster.config import ServeConfig
 from cluster.disconnect import QuietDisconnect, info_now

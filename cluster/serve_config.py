@@ -19,7 +19,7 @@ from pathlib import Path
 import yaml
 
 from cluster.app_args import PROJECT_ROOT
-from cluster.auth import ApiKeySource
+from cluster.config.keys import ApiKeySource
 from cluster.config import ConfigError, RdserveConfig
 
 IMPORT_PATH = "cluster.app:app_builder"

@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-from cluster.auth import ApiKeySource
+from cluster.config.keys import ApiKeySource
 from cluster.config import ConfigError, RdserveConfig
 from cluster.app_args import PROJECT_ROOT
 

@@ -6,7 +6,8 @@ from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
-from cluster.auth import ApiKeys, BearerAuth, resolve_keys
+from cluster.auth import ApiKeys, BearerAuth
+from cluster.config.keys import resolve_keys
 from cluster.config import ConfigError, check_startable, parse_config
 
 KEY = "sk-test-0123456789"

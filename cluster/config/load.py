@@ -1,0 +1,57 @@
+"""Reading a config: YAML -> validated ``RdserveConfig``, with one line per problem naming the field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+from pydantic import ValidationError
+
+from cluster.config.base import ConfigError
+from cluster.config.rdserve import RdserveConfig
+
+
+def format_validation_error(err: ValidationError) -> str:
+    """One line per problem: ``dotted.field: pydantic message``."""
+    lines = []
+    for e in err.errors():
+        field = ".".join(str(p) for p in e["loc"]).replace(".[key]", " (key)")  # a mapping's key is what is wrong
+        own = e["msg"].removeprefix("Value error, ")
+        if own != e["msg"] and (not field or own.startswith(field + ".")):  # a section's or cross-section check:
+            lines.append(own)                                                # its message names the field
+            continue
+        lines.append(f"{field or '(top level)'}: {e['msg']}")
+    return "\n".join(lines)
+
+
+def parse_config(data: dict, base_dir: Path) -> RdserveConfig:
+    """Validate a mapping; relative paths resolve against ``base_dir``.
+
+    Raises:
+        ConfigError: naming each offending field.
+    """
+    try:
+        return RdserveConfig.model_validate(data, context={"base_dir": base_dir})
+    except ValidationError as err:
+        raise ConfigError(format_validation_error(err)) from None
+
+
+def load_config(path: str | Path) -> RdserveConfig:
+    """Read and validate a YAML config file.
+
+    Raises:
+        ConfigError: unreadable file, invalid YAML, or invalid fields (each named).
+    """
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except OSError as err:
+        raise ConfigError(f"{path}: cannot read config file ({err.strerror})") from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: invalid YAML: {err}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections")
+    try:
+        return parse_config(data, path.resolve().parent)
+    except ConfigError as err:
+        raise ConfigError(f"{path}:\n{err}") from None
