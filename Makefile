@@ -40,7 +40,7 @@ test: install prometheus
 bench: install
 	$(BIN)/python benchmarks/spec_vs_plain.py --config configs/local.yaml
 
-# Kubernetes examples in k8s/, rendered from the presets (tests/cluster/k8s checks they are current).
+# Kubernetes examples in k8s/, rendered from the presets (tests/cluster/deploy/k8s checks they are current).
 k8s: install
 	$(BIN)/rdserve k8s render --config configs/cpu-demo.yaml --out k8s/cpu-demo
 	$(BIN)/rdserve k8s render --config configs/gpu-tp8.yaml --out k8s/gpu-tp8

@@ -19,7 +19,7 @@ from bench_prompts import DATASETS
 from bench_spec import forced_table
 
 from cluster.config import load_config
-from cluster.local_engine import build_engine
+from cluster.replica.build import build_engine
 from workers.sampling_params import SamplingParams
 from workers.training.prompt_sources import build_prompts, first_per_category, require_datasets
 

@@ -43,12 +43,12 @@ def absolute_paths(data: dict, base: Path) -> dict:
 @contextmanager
 def local_serve() -> Iterator[int]:
     """Ray (8 CPUs, no dashboard, warnings only) and Ray Serve's HTTP proxy on 127.0.0.1, with
-    ``cluster.app.SERVE_ENV`` set as ``rdserve up`` sets it (values already in the environment win).
+    ``cluster.deploy.app.SERVE_ENV`` set as ``rdserve up`` sets it (values already in the environment win).
     Yields the proxy's port (an int); shuts Serve and Ray down on leaving."""
     import ray
     from ray import serve
 
-    from cluster.app import SERVE_ENV
+    from cluster.deploy.app import SERVE_ENV
 
     for key, value in SERVE_ENV.items():
         os.environ.setdefault(key, value)

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from prefill_precision import greedy, load_references, load_rows, response_nll  # noqa: E402
 
 from cluster.config import load_config  # noqa: E402
-from cluster.local_engine import build_engine  # noqa: E402
+from cluster.replica.build import build_engine  # noqa: E402
 
 
 def main() -> None:

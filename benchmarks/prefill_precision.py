@@ -37,7 +37,7 @@ from bench_report import write_report
 from tqdm import tqdm
 
 from cluster.config import load_config
-from cluster.local_engine import build_engine
+from cluster.replica.build import build_engine
 from workers.forward_batch import contiguous_batch
 from workers.sampling_params import SamplingParams
 

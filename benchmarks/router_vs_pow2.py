@@ -40,7 +40,7 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results/router_vs_pow2", help="output path without suffix")
     args = ap.parse_args()
 
-    from cluster.app import deploy
+    from cluster.deploy.app import deploy
 
     cfg = config_with_model(args.config)
     threads = max(1, (os.cpu_count() or 1) // args.replicas)

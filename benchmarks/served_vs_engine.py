@@ -40,7 +40,7 @@ from bench_report import write_report
 from cluster.config import load_config
 from cluster.evaluation.loadgen import LoadSpec, run_load
 from cluster.evaluation.prompts import PromptRow
-from cluster.local_engine import build_engine
+from cluster.replica.build import build_engine
 from workers.engine import Engine
 from workers.sampling_params import SamplingParams
 

@@ -54,7 +54,7 @@ def policy_config(cfg, policy: str, calibration: Path):
     elif policy == "auto":
         update.update(policy="auto", calibration=calibration, default_mode="auto")
     elif policy == "table":  # the table rdserve calibrate derived from the same measurements
-        from cluster.calibrate_cli import spec_max_load
+        from cluster.cli.calibrate import spec_max_load
         from workers.speculation.schedule import validate_schedule
 
         measured = json.loads(calibration.read_text())
@@ -102,7 +102,7 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results/spec_policies", help="output path without suffix")
     args = ap.parse_args()
 
-    from cluster.app import deploy
+    from cluster.deploy.app import deploy
 
     cfg = config_with_model(args.config)
     policies = args.policies.split(",")

@@ -29,7 +29,7 @@ from bench_report import write_report
 from bench_spec import fixed_speculation
 
 from cluster.config import load_config
-from cluster.local_engine import build_engine
+from cluster.replica.build import build_engine
 from workers.engine import Engine
 from workers.sampling_params import SamplingParams
 from workers.training.prompt_sources import build_prompts, first_per_category, require_datasets

@@ -34,7 +34,7 @@ from bench_report import write_report
 from bench_spec import fixed_speculation
 
 from cluster.config import load_config
-from cluster.local_engine import build_engine
+from cluster.replica.build import build_engine
 from workers import engine as engine_mod
 from workers import model_runner
 from workers.kernels import decode_attention, packed_linear, quant_linear

@@ -28,7 +28,7 @@ from bench_report import write_report
 from bench_spec import fixed_speculation, forced_table
 
 from cluster.config import load_config
-from cluster.local_engine import build_engine
+from cluster.replica.build import build_engine
 from workers.sampling_params import SamplingParams
 
 

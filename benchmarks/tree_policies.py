@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 from cluster.config import load_config
 from cluster.evaluation.tree_sim import Replay, RowCosts, replay
-from cluster.local_engine import build_engine
+from cluster.replica.build import build_engine
 from workers.redrafter.beam_search import draft_distinct_first_batch
 from workers.redrafter.prompt_lookup import NgramIndex, PromptLookup
 from workers.training.engine_data import generate_batch_engine

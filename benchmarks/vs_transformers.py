@@ -25,7 +25,7 @@ from batch_scaling import run_batch  # benchmarks/ is on sys.path when run as a 
 from bench_prompts import DATASETS
 from bench_report import write_report
 from cluster.config import load_config
-from cluster.local_engine import build_engine
+from cluster.replica.build import build_engine
 from workers.models.pull import pull_default
 from workers.training.prompt_sources import build_prompts, require_datasets
 

@@ -19,8 +19,8 @@ PACKAGES = ("cluster", "workers")
 
 # What a ``num_cpus: 0`` ingress replica and the request router inside every DeploymentHandle import.
 INGRESS_MODULES = (
-    "cluster.openai_api", "cluster.protocol", "cluster.responses", "cluster.messages", "cluster.request_router",
-    "cluster.engine_client", "cluster.pools", "cluster.auth", "cluster.limits", "cluster.drain",
+    "cluster.ingress.openai_api", "cluster.ingress.protocol", "cluster.ingress.responses", "cluster.ingress.messages", "cluster.routing.request_router",
+    "cluster.ingress.clients", "cluster.ingress.pools", "cluster.ingress.auth", "cluster.ingress.limits", "cluster.ingress.drain",
 )
 BLOCKED = ("torch", "workers.engine")
 
@@ -189,3 +189,32 @@ def test_graph_reads_function_level_imports_and_skips_type_checking():
                      "def f():\n    from .e import g\n")
     assert sorted(_imported_names(tree, "pkg.mod", False)) == [(1, "a.b"), (2, "typing.TYPE_CHECKING"),
                                                                (6, "pkg.e.g")]
+
+
+# cluster/'s wings from the ground floor up: a wing imports only wings on its own floor or below
+# (cluster/README.md). Two wings on one floor do not import each other.
+WING_FLOORS = {"config": 0, "observability": 1, "ingress": 2, "replica": 3, "routing": 3, "deploy": 4,
+               "evaluation": 4, "cli": 5}
+
+
+def _wing(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if parts[0] == "cluster" and len(parts) > 1 else None
+
+
+def test_cluster_wings_never_import_upward():
+    graph, _ = _project_graph()
+    wrong = []
+    for module, edges in graph.items():
+        src = _wing(module)
+        if src is None:
+            continue
+        assert src in WING_FLOORS, f"{module}: cluster/{src} is not a known wing (add it to WING_FLOORS and the README)"
+        for target, line in edges.items():
+            dst = _wing(target)
+            if dst is None or dst == src:
+                continue
+            if WING_FLOORS[dst] >= WING_FLOORS[src]:
+                wrong.append(f"{module}:{line} (cluster/{src}, floor {WING_FLOORS[src]}) imports {target} "
+                             f"(cluster/{dst}, floor {WING_FLOORS[dst]})")
+    assert not wrong, "imports that go up (or sideways) between cluster/ wings:\n" + "\n".join(sorted(wrong))

@@ -49,7 +49,7 @@ _Speculation = serving_defaults(SpeculationOptions, "_Speculation", num_beams=4,
 class SpeculationConfig(_Speculation):
     """The speculation section: :class:`workers.speculation.options.SpeculationOptions` (the draft
     tree and the engine's policy) with a server's defaults, and the per-request mode
-    (:func:`cluster.router.choose_mode`). Relative calibration paths resolve against the YAML's folder.
+    (:func:`cluster.replica.spec_mode.choose_mode`). Relative calibration paths resolve against the YAML's folder.
 
     ``spec_max_load``: under a policy that is not live (fixed, table, off), an ``auto`` request is
     decoded speculatively when the replica's load (requests it holds, running or queued, counting the

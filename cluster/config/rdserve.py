@@ -49,7 +49,7 @@ class RdserveConfig(_Section):
     serve: ServeConfig = Field(default_factory=ServeConfig)
     observability: ObservabilityConfig = Field(default_factory=ObservabilityConfig)
     kubernetes: KubernetesConfig = Field(default_factory=KubernetesConfig, description="pods of `rdserve k8s "
-                                         "render` (cluster.k8s); unused by local runs")
+                                         "render` (cluster.deploy.k8s); unused by local runs")
 
     @model_validator(mode="before")
     @classmethod

@@ -11,7 +11,7 @@ from cluster.config.keys import ApiKeySource, parse_api_keys
 
 
 class AutoscalingConfig(_Section):
-    """Engine replicas scaled by load (``cluster.autoscaling``); Ray Serve applies the bounds and delays.
+    """Engine replicas scaled by load (``cluster.routing.autoscaling``); Ray Serve applies the bounds and delays.
 
     The defaults suit a model that loads in tens of seconds: react to a burst within about
     ``upscale_delay_s`` + ``metrics_interval_s``, keep a warm replica through lulls of a few minutes.
@@ -74,7 +74,7 @@ class PoolConfig(_Section):
 
 
 class PoolsConfig(_Section):
-    """Two-pool mode (``cluster.pools``): ``spec`` replicas always draft with speculation.num_beams x
+    """Two-pool mode (``cluster.ingress.pools``): ``spec`` replicas always draft with speculation.num_beams x
     speculation.draft_len_per_beam (as a TensorRT-LLM ReDrafter engine, whose shape is built in); ``plain``
     replicas have no drafter. The ingress sends each request to the pool where the goodput model
     (speculation.calibration) expects it to decode fastest."""
@@ -105,14 +105,14 @@ class ServeConfig(_Section):
     request_router: Literal["goodput", "pow2"] = Field(
         "goodput", description="how a request picks its replica: 'goodput' (the replica where it is expected "
         "to complete first, from each replica's load, free KV blocks, step time and tokens per step; see "
-        "cluster.replica_ranking) or 'pow2' (Ray Serve's default: the shorter queue of two random replicas)",
+        "cluster.routing.ranking) or 'pow2' (Ray Serve's default: the shorter queue of two random replicas)",
     )
     api_keys: Annotated[list[SecretStr] | ApiKeySource | None, BeforeValidator(parse_api_keys)] = Field(
-        None, description="require 'Authorization: Bearer KEY' on /v1/* (cluster.auth): a list of keys, or "
+        None, description="require 'Authorization: Bearer KEY' on /v1/* (cluster.ingress.auth): a list of keys, or "
         "{env: VAR} / {file: PATH} to read them where the ingress runs; null = no authentication")
     max_request_body_bytes: int | None = Field(
         1 << 20, ge=1024, description="largest request body accepted (bytes); a larger one gets HTTP 413 before it "
-        "is parsed (cluster.body_limit); null = no cap")
+        "is parsed (cluster.ingress.body_limit); null = no cap")
     request_timeout_s: float | None = Field(None, gt=0, description="a request still running after this many "
                                             "seconds is aborted: 504, or an error event in a stream; null = no limit")
     drain_timeout_s: float = Field(30.0, gt=0, description="on shutdown (SIGTERM, Ctrl-C) or when Serve stops a "
@@ -120,7 +120,7 @@ class ServeConfig(_Section):
                                    "before they are aborted with an error")
     colocate: StrictBool | Literal["auto"] = Field(
         "auto", description="run the engine inside the ingress replica's process, so a token goes from the engine "
-        "thread to the HTTP response without crossing Ray (cluster.colocated): 'auto' = when the application has "
+        "thread to the HTTP response without crossing Ray (cluster.replica.colocated): 'auto' = when the application has "
         "exactly one engine replica (serve.replicas 1, no autoscaling, no pools, engine.tp_size 1); true = require "
         "it; false = always a separate engine deployment (EngineReplica) behind the ingress")
 
@@ -141,4 +141,4 @@ class ObservabilityConfig(_Section):
         "127.0.0.1", description="where Ray's metrics agent listens under `rdserve up`: 127.0.0.1 keeps it and "
         "every other Ray port (GCS, raylet, workers, agents) on loopback (scrape serve.host:serve.port/metrics, "
         "which proxies it); 0.0.0.0 for a head node that Prometheus or other nodes reach, which opens all of "
-        "Ray's ports on every interface too: Ray binds them together, by the node's address (cluster.local_ray)")
+        "Ray's ports on every interface too: Ray binds them together, by the node's address (cluster.deploy.local_ray)")

@@ -95,7 +95,7 @@ def sweep_shapes(cfg: RdserveConfig, prompts: Sequence[PromptRow], shapes: Seque
     Raises:
         ValueError: the config has no drafter.
     """
-    from cluster.local_engine import build_engine
+    from cluster.replica.build import build_engine
 
     if cfg.drafter.path is None:
         raise ValueError("acceptance: drafter.path is not set in the config, so there is nothing to measure")

@@ -133,7 +133,7 @@ def engine_top2_gap(cfg) -> GapFn:
     computed in this process with an Engine built from ``cfg`` (a context-phase forward)."""
     import torch
 
-    from cluster.local_engine import build_engine
+    from cluster.replica.build import build_engine
     from workers.forward_batch import contiguous_batch
 
     engine = build_engine(cfg)

@@ -86,7 +86,7 @@ ROWS: tuple[tuple[str, tuple[PanelDef, ...]], ...] = (
         PanelDef("Requests speculating", "Share of requests the router sent to speculative decoding.",
                  "percentunit", ((f"{SPECULATING} / {_rate('router_decisions')}",
                                   "speculating"),)),
-        PanelDef("Router decisions", "Requests per second by decoding mode and reason (cluster.router).", "reqps",
+        PanelDef("Router decisions", "Requests per second by decoding mode and reason (cluster.replica.spec_mode).", "reqps",
                  ((_rate("router_decisions", "mode, reason"), "{{mode}}: {{reason}}"),)),
         PanelDef("Draft-tree shape per replica", "num_beams x draft_len_per_beam of each replica's last "
                  "generation iteration (0 = plain).", "short",

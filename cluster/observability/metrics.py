@@ -100,7 +100,7 @@ METRICS: tuple[MetricDef, ...] = (
     MetricDef("spec_decode_draft_len_per_beam",           G, (),                   None,              "engine",
               "draft_len_per_beam of the replica's last generation iteration (0: plain)."),
     MetricDef("router_decisions",                         C, ("mode", "reason"),   None,              "replica",
-              "The router's per-request decoding mode, by reason (cluster.router.choose_mode)."),
+              "The router's per-request decoding mode, by reason (cluster.replica.spec_mode.choose_mode)."),
 )
 BY_NAME = {m.name: m for m in METRICS}
 
@@ -139,7 +139,7 @@ def known_label_values(spec: MetricDef, draft_len: int) -> dict[str, tuple[str, 
 
 
 def reason_label(reason: str) -> str:
-    """A bounded label for :func:`cluster.router.choose_mode`'s free-text reason (its numbers would
+    """A bounded label for :func:`cluster.replica.spec_mode.choose_mode`'s free-text reason (its numbers would
     make a series per value); ``other`` for text this table does not know."""
     return next((label for prefix, label in ROUTER_REASONS.items() if reason.startswith(prefix)), "other")
 

@@ -54,7 +54,7 @@ def start_at_zero(metric, spec: MetricDef, draft_len: int = 0) -> None:
 class ReplicaMetrics:
     """Records one engine replica's metrics. ``async_engine``: the replica's ``AsyncEngine``.
     ``queued``: how many requests wait for the engine outside it (the in-process client's queue when
-    the engine runs in the ingress, ``cluster.engine_client``); counted in ``num_requests_waiting``.
+    the engine runs in the ingress, ``cluster.ingress.clients``); counted in ``num_requests_waiting``.
     ``draft_len``: the replica's draft_len_per_beam (0 without a drafter), the ``position`` values its
     counters start with. Every counter is recorded at zero here and every gauge set to 0, so their
     series exist before the first request."""

@@ -14,7 +14,7 @@ import pytest
 
 from cluster.config import RdserveConfig, load_config
 
-MODEL_NAME = "tiny-llama"  # tests/cluster/test_openai_api.py relies on these two values
+MODEL_NAME = "tiny-llama"  # tests/cluster/ingress/test_openai_api.py relies on these two values
 MAX_SEQ_LEN = 256
 
 
@@ -53,7 +53,7 @@ def base_url(tiny_config):
     import ray
     from ray import serve
 
-    from cluster.app import deploy
+    from cluster.deploy.app import deploy
 
     port = _free_port()
     ray.init(num_cpus=4, include_dashboard=False, logging_level=logging.WARNING,

@@ -9,7 +9,7 @@ import httpx
 import pytest
 from ray import serve
 
-from cluster.app import deploy, engine_deployment_name
+from cluster.deploy.app import deploy, engine_deployment_name
 
 MODEL_NAME = "tiny-llama"
 
@@ -55,7 +55,7 @@ def test_full_queue_answers_503_and_the_rest_complete(tight_app):
     shed_resp = next(r for r in responses if r.status_code == 503)
     shed = shed_resp.json()["error"]
     assert "overloaded" in shed["message"] and shed["type"] == "server_error"
-    assert 1 <= int(shed_resp.headers["retry-after"]) <= 10  # seconds, from the drain rate (cluster.limits)
+    assert 1 <= int(shed_resp.headers["retry-after"]) <= 10  # seconds, from the drain rate (cluster.ingress.limits)
     for r in responses:
         if r.status_code == 200:
             assert r.json()["usage"]["completion_tokens"] >= 1

@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from cluster.app import SERVE_ENV
+from cluster.deploy.app import SERVE_ENV
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL_NAME, MAX_SEQ_LEN = "tiny-llama", 256  # the tiny model of tests/cluster/conftest.py

@@ -17,8 +17,8 @@ import pytest
 import ray
 from ray import serve
 
-from cluster.app import deploy
-from cluster.serve_state import _controller
+from cluster.deploy.app import deploy
+from cluster.ingress.serve_state import _controller
 
 PROMPT = {"model": "tiny-llama", "prompt": "Once upon a time", "max_tokens": 200, "ignore_eos": True,
           "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}

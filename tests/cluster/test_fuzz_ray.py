@@ -17,8 +17,8 @@ import schemathesis
 from hypothesis import HealthCheck, settings
 from ray import serve
 
-from cluster.app import deploy
-from cluster.openai_api import api
+from cluster.deploy.app import deploy
+from cluster.ingress.openai_api import api
 
 MIN_REQUESTS = 500
 EXAMPLES_PER_OPERATION = 150  # per operation, both modes together; the 2 POST operations give most requests

@@ -14,7 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from cluster.app import engine_deployment_name
+from cluster.deploy.app import engine_deployment_name
 from cluster.config import load_config
 
 REPO = Path(__file__).resolve().parents[2]

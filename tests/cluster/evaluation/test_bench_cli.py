@@ -5,7 +5,7 @@ import json
 from synthetic_server import Delays, SyntheticServer
 from typer.testing import CliRunner
 
-from cluster.cli import app
+from cluster.cli.main import app
 
 
 def test_bench_writes_every_figure(tmp_path):

@@ -4,7 +4,7 @@ import json
 
 from typer.testing import CliRunner
 
-from cluster.cli import app
+from cluster.cli.main import app
 
 PROMPTS = [
     {"prompt": "Once upon a time", "category": "story"},

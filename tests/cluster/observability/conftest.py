@@ -6,7 +6,7 @@ of 16 tokens) makes concurrent long requests preempt."""
 import pytest
 from ray import serve
 
-from cluster.app import deploy
+from cluster.deploy.app import deploy
 
 OBS_MODEL = "tiny-obs"
 

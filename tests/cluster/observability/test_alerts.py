@@ -9,7 +9,7 @@ from prom_tools import prometheus_binary
 from typer.testing import CliRunner
 
 import cluster.observability
-from cluster.cli import app
+from cluster.cli.main import app
 
 UNIT_TESTS = Path(cluster.observability.__file__).parent / "alerts_test.yml"
 

@@ -4,7 +4,7 @@ import pytest
 from fake_grafana import FakeGrafana
 from typer.testing import CliRunner
 
-from cluster.cli import app
+from cluster.cli.main import app
 
 TOKEN = "glsa_test_token"
 

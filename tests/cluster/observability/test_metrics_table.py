@@ -6,12 +6,12 @@ import re
 import pytest
 from typer.testing import CliRunner
 
-from cluster.cli import app
+from cluster.cli.main import app
 from cluster.config import SpeculationConfig
 from cluster.observability.dashboard import build_dashboard, panels
 from cluster.observability.metrics import LABEL_VALUES, METRICS, ROUTER_REASONS, exported, reason_label
 from cluster.observability.recorder import start_at_zero
-from cluster.router import choose_mode
+from cluster.replica.spec_mode import choose_mode
 
 SERVE_METRICS = {"ray_serve_deployment_replica_healthy", "ray_serve_deployment_queued_queries",
                  "ray_serve_replica_processing_queries", "ray_serve_autoscaling_target_replicas"}

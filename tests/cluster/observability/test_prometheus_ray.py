@@ -17,7 +17,7 @@ from conftest import OBS_MODEL
 from prom_tools import prometheus_binary
 from ray import serve
 
-from cluster.app import deploy
+from cluster.deploy.app import deploy
 from cluster.observability.alerts import AlertThresholds, alert_rules, write_prometheus_files
 from cluster.observability.dashboard import build_dashboard, panels
 from cluster.observability.metrics import METRICS, known_label_values

@@ -16,7 +16,7 @@ import pytest
 from ray_cluster import read_all, stop_process_group
 from typer.testing import CliRunner
 
-from cluster.cli import app
+from cluster.cli.main import app
 
 REPO = Path(__file__).resolve().parents[3]
 

@@ -1,7 +1,7 @@
 """Rank r of a spawned group is told its GPU (``gpus[r]``) and sees only that one (``CUDA_VISIBLE_DEVICES``).
 
 The spawn is real (CPU ranks: the GPU list travels on the rank's command line and sets its
-environment; on CPU nothing reads it). The CUDA run is ``tests/cluster/test_placement.py``'s GPU test.
+environment; on CPU nothing reads it). The CUDA run is ``tests/cluster/replica/test_placement.py``'s GPU test.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from typer.testing import CliRunner
 
-from cluster.cli import app
+from cluster.cli.main import app
 from workers.models.loader import load_model
 from workers.redrafter.drafter import load_drafter
 from workers.training.dev_eval import teacher_forced

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
-from cluster.cli import app
+from cluster.cli.main import app
 from workers.redrafter.drafter import DrafterConfig, ReDrafter, load_drafter
 from workers.training.interpolate import interpolate_drafters
 

@@ -155,7 +155,7 @@ def test_train_cli_checks_init_from_before_generating_data(tmp_path, trained_dra
     """A wrong --init-from fails at once with an error naming the option, not after data generation."""
     from typer.testing import CliRunner
 
-    from cluster.cli import app
+    from cluster.cli.main import app
 
     drafter = trained_drafter_dirs["tied_gqa2"]
     base = ["drafter", "train", "--out", str(tmp_path / "out"), "--data-dir", str(tmp_path / "never")]

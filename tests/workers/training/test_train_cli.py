@@ -7,7 +7,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from cluster.cli import app
+from cluster.cli.main import app
 
 
 @pytest.fixture

@@ -1,0 +1,88 @@
+"""``serve.request_router: goodput``: the Ray Serve request router of the engine replicas.
+
+A thin adapter between Ray Serve's ``RequestRouter`` (it runs inside every ``DeploymentHandle`` to
+the replicas, here the ingress's) and :mod:`cluster.routing.ranking`: each ``choose_replicas``
+orders the candidates by the request's expected completion time from their routing stats and what
+this router sent them since. The order goes back as one-replica tiers, so Serve sends the request
+to the first replica unless it is at ``max_ongoing_requests`` (then the next), and backs off while
+every replica is full.
+
+Not ``FIFOMixin``: with it a replica found for one request is handed to the oldest pending one,
+and the ranking depends on the request's size (KV admission), so each request keeps its own
+choice, as Ray's prefix-cache and KV-aware routers do.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+
+from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, RequestRouter, RunningReplica
+
+from cluster.ingress.protocol import DEFAULT_MAX_TOKENS
+from cluster.ingress.messages import EngineRequest
+from cluster.routing.ranking import TIE_TOLERANCE, SentSinceStats, rank_replicas
+
+CHARS_PER_TOKEN = 3
+"""Prompt tokens are estimated as characters / 3, rounded up: BPE tokenizers average about 4
+characters per token on English text, so this leans high and KV admission errs on the safe side."""
+
+TEMPLATE_TOKENS_PER_MESSAGE = 8
+"""Chat-template tokens added per message (role markers, separators), estimated."""
+
+
+def request_size(args: list) -> tuple[int, int]:
+    """``(prompt_tokens, max_tokens)`` estimated for a call whose first argument is an
+    ``EngineRequest`` (``generate``); ``max_tokens`` None counts as ``DEFAULT_MAX_TOKENS``. Other
+    calls (``stats``, health probes) count as ``(0, 1)``."""
+    req = args[0] if args else None
+    if not isinstance(req, EngineRequest):
+        return 0, 1
+    if req.messages is None:
+        prompt_tokens = math.ceil(len(req.prompt or "") / CHARS_PER_TOKEN)
+    else:
+        chars = sum(len(str(m.get("content", ""))) for m in req.messages)
+        prompt_tokens = math.ceil(chars / CHARS_PER_TOKEN) + TEMPLATE_TOKENS_PER_MESSAGE * len(req.messages)
+    return prompt_tokens, req.max_tokens if req.max_tokens is not None else DEFAULT_MAX_TOKENS
+
+
+class GoodputRequestRouter(RequestRouter):
+    """Orders replicas by expected completion time (``cluster.routing.ranking``).
+
+    ``request_router_kwargs``: ``tie_tolerance`` (relative; default ``TIE_TOLERANCE``) and ``seed``
+    (of the tie-breaking random generator; default None: from the OS).
+    """
+
+    def initialize_state(self, tie_tolerance: float = TIE_TOLERANCE, seed: int | None = None) -> None:
+        self.tie_tolerance = tie_tolerance
+        self.rng = random.Random(seed)
+        self.sent = SentSinceStats()
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        prompt_tokens, max_tokens = request_size(pending_request.args if pending_request is not None else [])
+        now = time.monotonic()
+        candidates = self.sent.candidates(
+            [(r.replica_id, r.routing_stats, r.max_ongoing_requests) for r in candidate_replicas], now)
+        ranked = rank_replicas(candidates, prompt_tokens, max_tokens, self.rng, self.tie_tolerance)
+        if pending_request is not None and ranked:
+            pending_request.routing_context.should_backoff = True  # every replica full: back off, then retry
+            self.sent.chosen(ranked[0], pending_request.metadata.internal_request_id, prompt_tokens + max_tokens, now)
+        by_id = {r.replica_id: r for r in candidate_replicas}
+        return [[by_id[replica_id]] for replica_id in ranked]
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        """New replica list or routing stats (a broadcast from the controller): note the stats as they
+        arrive, forget replicas that are gone."""
+        for r in replicas:
+            self.sent.observe(r.replica_id, r.routing_stats)
+        self.sent.forget_except({r.replica_id for r in replicas})
+        super().update_replicas(replicas)
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult) -> None:
+        prompt_tokens, max_tokens = request_size(pending_request.args)
+        self.sent.routed(replica_id, pending_request.metadata.internal_request_id, prompt_tokens + max_tokens)
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        self.sent.completed(replica_id, internal_request_id)

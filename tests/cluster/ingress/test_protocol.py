@@ -1,0 +1,155 @@
+"""``cluster.ingress.protocol``: request validation and the context-length budget."""
+
+import pytest
+from pydantic import ValidationError
+
+from cluster.ingress.protocol import (
+    DEFAULT_MAX_TOKENS,
+    ChatCompletionRequest,
+    CompletionRequest,
+    RequestError,
+    fit_kv_cache,
+    resolve_max_tokens,
+    validation_error,
+)
+
+FIELDS = {"prompt_field": "prompt", "max_tokens_field": "max_tokens"}
+
+
+def test_default_max_tokens_is_remaining_context_capped():
+    assert resolve_max_tokens(None, 10, 100, **FIELDS) == 90
+    assert resolve_max_tokens(None, 10, 10_000, **FIELDS) == DEFAULT_MAX_TOKENS
+    assert resolve_max_tokens(90, 10, 100, **FIELDS) == 90
+
+
+def test_budget_errors_name_the_field():
+    with pytest.raises(RequestError, match="^max_tokens: 91 completion tokens") as err:
+        resolve_max_tokens(91, 10, 100, **FIELDS)
+    assert err.value.param == "max_tokens"
+    with pytest.raises(RequestError, match="^prompt: the prompt has 100 tokens") as err:
+        resolve_max_tokens(None, 100, 100, **FIELDS)
+    assert err.value.param == "prompt"
+    with pytest.raises(RequestError, match="^prompt: the prompt is empty"):
+        resolve_max_tokens(None, 0, 100, **FIELDS)
+
+
+def test_chat_max_completion_tokens_takes_precedence():
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], max_tokens=5, max_completion_tokens=7)
+    assert (req.requested_max_tokens, req.max_tokens_field) == (7, "max_completion_tokens")
+
+
+def test_sampling_params_and_extensions():
+    req = CompletionRequest(prompt=["hi"], temperature=0, top_k=5, stop="\n", seed=3, rdserve={"mode": "plain"})
+    params = req.sampling_params()
+    assert req.prompt_text == "hi" and req.requested_mode == "plain"
+    assert (params.greedy, params.top_k, params.stop, params.seed) == (True, 5, ("\n",), 3)
+
+
+def test_text_parts_are_joined_for_the_chat_template():
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                                       {"type": "text", "text": "b"}]}])
+    assert req.messages[0].as_template_input() == {"role": "user", "content": "ab"}
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"prompt": ["a", "b"]}, "prompt"),
+        ({"prompt": "a", "n": 2}, "n"),
+        ({"prompt": "a", "temperature": -0.1}, "temperature"),
+        ({"prompt": "a", "top_p": 0}, "top_p"),
+        ({"prompt": "a", "max_tokens": 0}, "max_tokens"),
+        ({"prompt": "a", "rdserve": {"mode": "fast"}}, "rdserve"),
+        ({"prompt": "a", "max_tokens": "5"}, "max_tokens"),
+        ({"prompt": "a", "echo": True}, "echo"),
+        ({"prompt": "a", "logit_bias": {"42": 5}}, "logit_bias"),
+    ],
+)
+def test_invalid_requests_name_the_field(kwargs, field):
+    with pytest.raises(ValidationError) as err:
+        CompletionRequest(**kwargs)
+    assert err.value.errors()[0]["loc"][0] == field
+
+
+def test_unsupported_fields_are_accepted_with_their_off_values():
+    req = CompletionRequest(prompt="a", logprobs=None, echo=False, presence_penalty=0, frequency_penalty=0.0,
+                            logit_bias={}, best_of=1, user="someone")
+    assert req.sampling_params().temperature == 1.0
+    chat = ChatCompletionRequest(messages=[{"role": "user", "content": "a"}], logprobs=False,
+                                 response_format={"type": "text"}, tool_choice="none", tools=[])
+    assert chat.requested_max_tokens is None
+
+
+def test_kv_cache_budget_names_max_tokens_unless_the_prompt_alone_does_not_fit():
+    kv = {"prompt_field": "messages", "max_tokens_field": "max_tokens"}
+    assert fit_kv_cache(607, 34, 640, defaulted=False, **kv) == 607  # 34 + 607 - 1 = 640 slots
+    with pytest.raises(RequestError) as err:
+        fit_kv_cache(700, 34, 640, defaulted=False, **kv)
+    assert err.value.param == "max_tokens"
+    assert err.value.message == ("max_tokens: 700 completion tokens + 34 prompt tokens need 733 KV cache slots; "
+                                 "the cache holds 640 (at most 607 completion tokens with this prompt)")
+    assert fit_kv_cache(1024, 34, 640, defaulted=True, **kv) == 607  # a default budget is cut to fit
+    with pytest.raises(RequestError, match="^messages: the prompt has 641 tokens; the KV cache holds 640") as err:
+        fit_kv_cache(1, 641, 640, defaulted=True, **kv)
+    assert err.value.param == "messages"
+
+
+def rejection(model, body: dict) -> RequestError:
+    """The 400 the ingress answers for ``body`` (its ``param`` and message)."""
+    with pytest.raises(ValidationError) as err:
+        model.model_validate(body)
+    return validation_error(err.value.errors())
+
+
+CHAT = {"messages": [{"role": "user", "content": "a"}]}
+
+
+@pytest.mark.parametrize(
+    "model, body, param, message",
+    [
+        (CompletionRequest, {"prompt": "a", "stop": ["a", "b", "c", "d", "e"]}, "stop",
+         "stop: at most 4 stop strings are supported, got 5"),
+        (CompletionRequest, {"prompt": "a", "stop": ["a", "x" * 257]}, "stop",
+         "stop: stop string 1 has 257 characters; at most 256 are supported"),
+        (CompletionRequest, {"prompt": "a", "stop": ""}, "stop", "stop: stop string 0 is empty"),
+        (CompletionRequest, {"prompt": "a", "stop": 5}, "stop", "stop: must be a string or a list of strings"),
+        (CompletionRequest, {"prompt": "a\ud800b"}, "prompt",
+         "prompt: invalid text: a lone UTF-16 surrogate (U+D800) at character 1"),
+        (CompletionRequest, {"prompt": ["\udfff"]}, "prompt",
+         "prompt: invalid text: a lone UTF-16 surrogate (U+DFFF) at character 0"),
+        (CompletionRequest, {"prompt": "a", "stop": ["ok", "\ud800"]}, "stop.1",
+         "stop.1: invalid text: a lone UTF-16 surrogate (U+D800) at character 0"),
+        (ChatCompletionRequest, {"messages": [{"role": "user", "content": "\ud800"}]}, "messages.0.content",
+         "messages.0.content: invalid text: a lone UTF-16 surrogate (U+D800) at character 0"),
+        (ChatCompletionRequest, {"messages": [{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]},
+         "messages.0.content.0.text", "messages.0.content.0.text: invalid text: a lone UTF-16 surrogate (U+D800) "
+                                      "at character 0"),
+        (ChatCompletionRequest, {"messages": [{"role": "user", "content": None}]}, "messages.0.content",
+         "messages.0.content: must be a string or a list of text parts"),
+        (ChatCompletionRequest, {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
+         "messages.0.content.0.text", "messages.0.content.0.text: Field required"),
+        (CompletionRequest, {"prompt": "a", "n": 2}, "n", "n: only n=1 is supported"),
+        (CompletionRequest, {"prompt": ["a", "b"]}, "prompt", "prompt: only a single prompt string is supported"),
+        (CompletionRequest, {"prompt": None}, "prompt", "prompt: must be a string or a list of one string"),
+        (CompletionRequest, {"prompt": "a", "echo": True}, "echo",
+         "echo: not supported by this server (accepted only as null or false)"),
+        (CompletionRequest, {"prompt": "a", "logprobs": 0}, "logprobs",
+         "logprobs: not supported by this server (accepted only as null)"),
+        (CompletionRequest, {"prompt": "a", "stream_options": {"include_usage": True}}, "stream_options",
+         "stream_options: only allowed when stream is true"),
+        (ChatCompletionRequest, {**CHAT, "stream": False, "stream_options": {}}, "stream_options",
+         "stream_options: only allowed when stream is true"),
+        (CompletionRequest, b"prompt=a", None,
+         "body: the request body must be a JSON object, sent with Content-Type: application/json"),
+    ],
+)
+def test_rejections_name_the_field_in_plain_words(model, body, param, message):
+    err = rejection(model, body)
+    assert (err.param, err.message) == (param, message)
+
+
+def test_stop_within_the_limits_and_streaming_options_are_accepted():
+    req = CompletionRequest(prompt="a", stop=["a", "b", "c", "x" * 256], stream=True, stream_options={})
+    assert req.sampling_params().stop == ("a", "b", "c", "x" * 256)
+    assert CompletionRequest(prompt="a", stop=[]).sampling_params().stop == ()
+    assert ChatCompletionRequest(**CHAT, logprobs=False).sampling_params().stop == ()
