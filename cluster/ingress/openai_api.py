@@ -179,9 +179,8 @@ class OpenAIIngress:
         live tokens per step (what :meth:`PoolLoad.choose` weighs besides the ingress's own counts).
 
         First, one call through every pool's handle, so each handle's router has its replicas before
-        the first request is routed: twice in CI (stop 28, stop 30) the first request of a fresh
-        two-pool app, sent through a handle created for it, was never routed (120 s, then the client
-        gave up) while calls sent through the same handle 50 ms later were."""
+        the first request is routed: the first request of a fresh two-pool app, sent through a handle
+        created for it, could go unrouted while calls sent through the same handle later were."""
         await asyncio.gather(*(asyncio.wait_for(c.routing_stats(), REPLICA_COUNTS_TIMEOUT_S)
                                for c in self.engines.values()), return_exceptions=True)
         self._pools_ready.set()

@@ -1,9 +1,8 @@
 """The distinct-first draft (:func:`~workers.redrafter.beam_search.draft_distinct_first_batch`) in one C
 call (``workers/kernels/drafter.c``) when the drafter runs on rdserve's CPU kernels.
 
-The Python search makes about 20 torch calls and 5 projections per draft position: ~1 ms of a
-~13 ms speculative step at batch 1 on two AVX2 cores, most of it call overhead (BENCHMARKS.md,
-"Stop 28"). The C path runs the same projections on the same kernels in the same order; its SiLU is
+The Python search makes about 20 torch calls and 5 projections per draft position, most of its time
+call overhead at batch 1 (BENCHMARKS.md, kernels and step breakdown). The C path runs the same projections on the same kernels in the same order; its SiLU is
 the decoder's (a few ulp from torch's), so a near-tie between two draft tokens may be broken the
 other way. Proposals only: verification, and so the output, does not depend on them.
 
