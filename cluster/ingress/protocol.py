@@ -10,9 +10,10 @@ Extensions beyond the OpenAI API:
 ``max_tokens`` absent means 16 for completions (OpenAI's default) and, for chat completions, the
 remaining context capped at ``DEFAULT_MAX_TOKENS`` (1024).
 Types are strict (``"max_tokens": "5"`` is a 400, not 5). OpenAI fields rdserve does not implement
-(``UNSUPPORTED``: logprobs, tools, response_format other than text, penalties, ...) are accepted
-only with their "off" value and otherwise rejected with a 400 naming the field, never silently
-ignored; other unknown fields (``user``, ``metadata``, ...) are ignored, as OpenAI-compatible
+(``UNSUPPORTED``: logprobs, tools, response_format other than text, penalties, ...), and vLLM's
+extensions that clients of vLLM-compatible servers send (``guided_json``, ``structured_outputs``,
+``repetition_penalty``, ``min_tokens``, ``stop_token_ids``, ...), are accepted only with their "off"
+value and otherwise rejected with a 400 naming the field, never silently ignored; other unknown fields (``user``, ``metadata``, ...) are ignored, as OpenAI-compatible
 servers commonly do. Text (prompt, message content, stop strings) must be valid Unicode (no lone
 UTF-16 surrogate such as JSON ``"\\ud800"``); ``stop`` holds at most ``MAX_STOP_STRINGS`` non-empty
 strings of at most ``MAX_STOP_CHARS`` characters (the engine checks every stop string at every token).
@@ -132,6 +133,18 @@ UNSUPPORTED: dict[str, tuple] = {
     "suffix": (None, ""), "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
     "logit_bias": (None, {}), "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
     "function_call": (None, "none"), "response_format": (None, {"type": "text"}),
+    "modalities": (None, ["text"]), "audio": (None,),
+    # vLLM's extensions, which clients of vLLM-compatible servers send: each changes what the request
+    # means, so it is honoured or refused, never ignored
+    "structured_outputs": (None,), "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
+    "guided_grammar": (None,), "guided_decoding_backend": (None,), "guided_whitespace_pattern": (None,),
+    "prompt_logprobs": (None,), "repetition_penalty": (None, 1, 1.0), "min_tokens": (None, 0),
+    "stop_token_ids": (None, []), "include_stop_str_in_output": (None, False), "min_p": (None, 0, 0.0),
+    "use_beam_search": (None, False), "length_penalty": (None, 1, 1.0), "bad_words": (None, []),
+    "allowed_token_ids": (None,), "logits_processors": (None,), "truncate_prompt_tokens": (None,),
+    "skip_special_tokens": (None, True), "spaces_between_special_tokens": (None, True),
+    "add_generation_prompt": (None, True), "continue_final_message": (None, False), "chat_template": (None,),
+    "chat_template_kwargs": (None, {}), "documents": (None,),
 }
 
 

@@ -153,3 +153,31 @@ def test_stop_within_the_limits_and_streaming_options_are_accepted():
     assert req.sampling_params().stop == ("a", "b", "c", "x" * 256)
     assert CompletionRequest(prompt="a", stop=[]).sampling_params().stop == ()
     assert ChatCompletionRequest(**CHAT, logprobs=False).sampling_params().stop == ()
+
+
+# What a client of a vLLM-compatible server sends, each changing what the request means.
+VLLM_FIELDS = {
+    "structured_outputs": {"json": {"type": "object"}}, "guided_json": {"type": "object"}, "guided_regex": "[0-9]+",
+    "guided_choice": ["yes", "no"], "guided_grammar": "root ::= \"a\"", "guided_decoding_backend": "xgrammar",
+    "guided_whitespace_pattern": " ", "prompt_logprobs": 1, "repetition_penalty": 1.2, "min_tokens": 5,
+    "stop_token_ids": [2], "include_stop_str_in_output": True, "min_p": 0.1, "use_beam_search": True,
+    "length_penalty": 0.5, "bad_words": ["x"], "allowed_token_ids": [1, 2], "skip_special_tokens": False,
+    "add_generation_prompt": False, "continue_final_message": True, "chat_template": "{{ messages }}",
+    "chat_template_kwargs": {"enable_thinking": True}, "modalities": ["audio"],
+}
+
+
+@pytest.mark.parametrize("field", sorted(VLLM_FIELDS))
+@pytest.mark.parametrize("model, base", [(ChatCompletionRequest, CHAT), (CompletionRequest, {"prompt": "a"})],
+                         ids=["chat", "completions"])
+def test_fields_that_change_a_request_are_refused_not_ignored(model, base, field):
+    err = rejection(model, {**base, field: VLLM_FIELDS[field]})
+    assert err.param == field and err.message.startswith(f"{field}: not supported by this server (accepted only as")
+    model.model_validate({**base, field: None})  # null: the field is not used
+
+
+def test_vllm_fields_are_accepted_with_their_off_values():
+    off = {"repetition_penalty": 1.0, "min_tokens": 0, "stop_token_ids": [], "include_stop_str_in_output": False,
+           "min_p": 0.0, "skip_special_tokens": True, "add_generation_prompt": True, "chat_template_kwargs": {},
+           "modalities": ["text"]}
+    ChatCompletionRequest.model_validate({**CHAT, **off})
