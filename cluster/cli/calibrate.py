@@ -147,7 +147,7 @@ def calibrate(
     rows = "off" if table == "off" else [r.model_dump() for r in table]
     console.print(f"compute path: {engine.compute_path}")
     out.write_text(json.dumps({
-        "compute_path": engine.compute_path, "draft_search": engine.runner.draft_search,
+        "compute_path": engine.compute_path, "draft_search": engine.speculation.draft_search,
         "prompt_lookup_num_tokens": engine.lookup.num_tokens if engine.lookup else 0,
         "batch_sizes": batches, "context_len": context_len, "repeats": repeats,
         "tokens_per_step": {str(s): v for s, v in tps.items()},
