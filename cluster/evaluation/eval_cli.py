@@ -130,4 +130,4 @@ def evaluate(
     console.print("wrote " + ", ".join(str(p) for p in paths.values()))
     decision = results.get("staged_load", {}).get("decision")
     if decision:
-        console.print(f"router.spec_max_load = {decision['spec_max_load']} (see {out / 'router.yaml'})")
+        console.print(f"speculation.spec_max_load = {decision['spec_max_load']} (see {out / 'speculation.yaml'})")

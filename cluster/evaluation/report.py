@@ -101,7 +101,7 @@ def _staged(s: dict) -> list[str]:
         lines += ["", "### Decision",
                   f"Speculation pays (throughput >= plain and median TPOT <= plain) at: {pays}. Crossover "
                   f"concurrency {d['crossover_concurrency']}; for the router config:", "", "```yaml",
-                  d["router_yaml"].rstrip(), "```"]
+                  d["speculation_yaml"].rstrip(), "```"]
     return lines
 
 
@@ -137,7 +137,7 @@ def write_report(results: dict, out_dir: str | Path) -> dict[str, Path]:
     if results.get("staged_load", {}).get("closed_loop"):
         paths["load_png"] = plot_load(results["staged_load"], out / "load.png")
     if results.get("staged_load", {}).get("decision"):
-        paths["router_yaml"] = out / "router.yaml"
-        paths["router_yaml"].write_text(results["staged_load"]["decision"]["router_yaml"])
+        paths["speculation_yaml"] = out / "speculation.yaml"
+        paths["speculation_yaml"].write_text(results["staged_load"]["decision"]["speculation_yaml"])
     paths["markdown"].write_text(render_markdown(results))
     return paths

@@ -27,7 +27,7 @@ def spec_pays(spec: dict, plain: dict) -> bool:
 
 
 def decide(levels: Sequence[int], spec: Sequence[dict], plain: Sequence[dict], replicas: int = 1) -> dict:
-    """Where speculation pays; ``spec_max_load`` for the router config.
+    """Where speculation pays; ``speculation.spec_max_load`` for the config.
 
     levels: closed-loop concurrency levels, ascending; spec/plain: the summaries at those levels.
     """
@@ -39,7 +39,7 @@ def decide(levels: Sequence[int], spec: Sequence[dict], plain: Sequence[dict], r
         crossover = level
     spec_max_load = crossover // max(1, replicas)
     return {"pays_by_level": dict(zip((str(c) for c in levels), pays)), "crossover_concurrency": crossover,
-            "spec_max_load": spec_max_load, "router_yaml": f"router:\n  spec_max_load: {spec_max_load}\n"}
+            "spec_max_load": spec_max_load, "speculation_yaml": f"speculation:\n  spec_max_load: {spec_max_load}\n"}
 
 
 def run_staged(target: Target, prompts: Sequence[PromptRow], *, levels: Sequence[int], max_tokens: int,

@@ -127,7 +127,7 @@ def train(
     eos = set(base.config.eos_token_id) | ({tok.eos_token_id} if tok.eos_token_id is not None else set())
     if gen_with == "engine":
         gen_model = load_engine(str(model_dir), None, dtype=gen_dtype, max_batch_size=gen_batch_size,
-                           max_seq_len=max_prompt_tokens + max_new_tokens + 1, decode_activations="auto")
+                           max_seq_len=max(16, max_prompt_tokens + max_new_tokens + 1), decode_activations="auto")
         gen_with = f"engine:{gen_model.compute_path}"
     else:
         gen_model = base if gen_dtype == "float32" else load_model(model_dir, dtype=getattr(torch, gen_dtype))

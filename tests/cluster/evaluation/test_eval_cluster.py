@@ -52,8 +52,8 @@ def test_eval_all_steps_on_the_tiny_cluster(base_url, tiny_config_path, tmp_path
     assert staged["closed_loop"]["spec"][0]["modes"] == {"spec": 4}
     assert set(staged["open_loop"]["by_mode"]) == {"spec", "plain", "auto"}
     decision = staged["decision"]
-    assert decision["router_yaml"] == f"router:\n  spec_max_load: {decision['spec_max_load']}\n"
-    assert (out / "router.yaml").read_text() == decision["router_yaml"]
+    assert decision["speculation_yaml"] == f"speculation:\n  spec_max_load: {decision['spec_max_load']}\n"
+    assert (out / "speculation.yaml").read_text() == decision["speculation_yaml"]
 
     report = (out / "report.md").read_text()
     headings = ("1. Baseline", "2. Compatibility", "3. Acceptance", "4. Quality", "5. Staged load", "spec_max_load")

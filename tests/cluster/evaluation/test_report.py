@@ -2,6 +2,8 @@
 
 import json
 
+from pathlib import Path
+
 import pytest
 
 from cluster.evaluation.acceptance import StepDraft, acceptance_figures, parse_shapes, steps_from_deltas
@@ -18,14 +20,19 @@ def summary(tput, tpot_ms):
             "itl_ms": dist, "e2e_latency_ms": dist, "tokens_per_step": 2.0, "modes": {}}
 
 
-def test_decision_crossover_and_router_yaml():
+def test_decision_crossover_and_speculation_yaml():
     levels = [1, 2, 4, 8]
     spec = [summary(100, 10), summary(150, 12), summary(150, 30), summary(300, 5)]
     plain = [summary(50, 20), summary(100, 20), summary(200, 20), summary(200, 20)]
     d = decide(levels, spec, plain, replicas=2)
     assert d["pays_by_level"] == {"1": True, "2": True, "4": False, "8": True}
     assert d["crossover_concurrency"] == 2 and d["spec_max_load"] == 1
-    assert d["router_yaml"] == "router:\n  spec_max_load: 1\n"
+    assert d["speculation_yaml"] == "speculation:\n  spec_max_load: 1\n"
+    import yaml
+
+    from cluster.config import parse_config
+
+    assert parse_config(yaml.safe_load(d["speculation_yaml"]), Path(".")).speculation.spec_max_load == 1  # pastes in
     assert decide([1], [summary(10, 30)], [summary(20, 20)])["spec_max_load"] == 0
 
 
@@ -83,7 +90,7 @@ def test_report_renders_from_results(tmp_path):
     assert "TPOT" in md and "(E2E latency - TTFT) / (output tokens - 1)" in md
     assert "**Unsupported:** engine.tp_size" in md and "prompt 1 (math) at token 3" in md and "gap 0.0200" in md
     assert "| 2x2 | math | 3.00 | 0.50, - | 4.00 |" in md and "spec rate=2/s" in md
-    assert "spec_max_load: 2" in md and (tmp_path / "router.yaml").read_text() == "router:\n  spec_max_load: 2\n"
+    assert "spec_max_load: 2" in md and (tmp_path / "speculation.yaml").read_text() == "speculation:\n  spec_max_load: 2\n"
     assert json.loads(paths["json"].read_text())["baseline"]["summary"]["output_throughput"] == 100
     for png in ("acceptance_png", "load_png"):
         assert paths[png].read_bytes()[:4] == b"\x89PNG"

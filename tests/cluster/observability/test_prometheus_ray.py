@@ -157,7 +157,7 @@ def test_every_queried_series_exists_after_start_and_one_request(prometheus, bas
         for m in METRICS:
             if m.kind != "counter" or not m.labels:
                 continue
-            for label, values in known_label_values(m, cfg.engine.draft_len_per_beam).items():
+            for label, values in known_label_values(m, cfg.speculation.draft_len_per_beam).items():
                 found = {s["metric"].get(label) for s in query(prometheus, m.exported + selector(m.exported))}
                 assert set(values) <= found, (m.exported, label, sorted(set(values) - found))
     finally:
