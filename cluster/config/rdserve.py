@@ -35,7 +35,7 @@ def moved_keys(data: dict) -> list[str]:
     for (section, key), place in MOVED_KEYS.items():
         if isinstance(data.get(section), dict) and key in data[section]:
             problems.append(f"{section}.{key}: moved to {place}")
-    if isinstance(data.get("router"), dict) and not data["router"]:
+    if "router" in data and not data["router"]:  # `router:` left empty (null) or `router: {}`
         problems.append("router: moved to the speculation section")
     return problems
 
@@ -56,7 +56,7 @@ class RdserveConfig(_Section):
     def _no_moved_keys(cls, data):
         problems = moved_keys(data) if isinstance(data, dict) else []
         if problems:
-            raise ValueError("; ".join(problems))
+            raise ValueError("\n".join(problems))  # one line per key (format_validation_error)
         return data
 
     @model_validator(mode="after")

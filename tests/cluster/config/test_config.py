@@ -168,9 +168,17 @@ def test_moved_keys_fail_naming_their_new_place(tmp_path, section, key):
         load_config(write(tmp_path, f"{section}: {{{key}: 1}}\n"))
 
 
-def test_an_empty_router_section_fails_naming_the_speculation_section(tmp_path):
+@pytest.mark.parametrize("empty", ["router: {}\n", "router:\n"])
+def test_an_empty_router_section_fails_naming_the_speculation_section(tmp_path, empty):
     with pytest.raises(ConfigError, match="router: moved to the speculation section"):
-        load_config(write(tmp_path, "router: {}\n"))
+        load_config(write(tmp_path, empty))
+
+
+def test_several_moved_keys_one_line_each(tmp_path):
+    with pytest.raises(ConfigError) as err:
+        load_config(write(tmp_path, "engine: {num_beams: 2, spec_schedule: auto}\nrouter: {spec_max_load: 1}\n"))
+    lines = str(err.value).splitlines()[1:]  # after the file's name
+    assert [line.split(":")[0] for line in lines] == ["engine.num_beams", "engine.spec_schedule", "router.spec_max_load"]
 
 
 def test_unreadable_and_non_mapping_files(tmp_path):
