@@ -1,4 +1,4 @@
-"""``rdserve calibrate``: derive the speculation schedule from step costs measured on this machine.
+"""``rdserve calibrate``: derive the speculation table from step costs measured on this machine.
 
 Measures, with the engine the config describes: seconds per generation iteration for each batch
 size, plain and for each draft-tree shape; greedy tokens per step of each shape on prompts (a JSONL
@@ -89,7 +89,7 @@ def calibrate(
                                "compute path measured (e.g. gguf-avx2-int8) when the config has that section, else "
                                "as speculation.policy 'table', speculation.table and speculation.spec_max_load."),
 ) -> None:
-    """Measure step costs and acceptance here; derive and write the speculation schedule."""
+    """Measure step costs and acceptance here; derive and write the speculation table (or, with policy auto, the calibration file)."""
     from cluster.cli.common import startable_config, with_model_dir
     from cluster.replica.build import build_engine
     from workers.speculation.calibration import measure_step_s, measure_tokens_per_step
@@ -146,6 +146,7 @@ def calibrate(
     _print(batches, shape_list, plain_s, spec_s, tps, table)
     rows = "off" if table == "off" else [r.model_dump() for r in table]
     console.print(f"compute path: {engine.compute_path}")
+    replaced = out.exists()
     out.write_text(json.dumps({
         "compute_path": engine.compute_path, "draft_search": engine.speculation.draft_search,
         "prompt_lookup_num_tokens": engine.lookup.num_tokens if engine.lookup else 0,
@@ -155,7 +156,7 @@ def calibrate(
         "spec_step_s": {f"{b}:{s}": v for (b, s), v in spec_s.items()},
         "table": rows,
     }, indent=1))
-    console.print(f"figures written to {out}")
+    console.print(f"figures written to {out}" + (" [bold](replacing the figures it held)[/]" if replaced else ""))
     path = engine.compute_path
     if calibrations is not None and new_entry and write:
         _write_path_entry(config, path, "calibration", _config_relative(out, config),

@@ -20,8 +20,23 @@ def format_validation_error(err: ValidationError) -> str:
         if own != e["msg"] and (not field or own.startswith(field + ".")):  # a section's or cross-section check:
             lines.append(own)                                                # its message names the field
             continue
-        lines.append(f"{field or '(top level)'}: {e['msg']}")
+        lines.append(f"{field or '(top level)'}: {own}")
     return "\n".join(lines)
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a key given twice in one mapping (PyYAML keeps the last one, so a
+    second ``speculation:`` pasted at the end of a file would silently replace the first)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"the key {key!r} appears twice in one mapping (merge the two)", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
 
 
 def parse_config(data: dict, base_dir: Path) -> RdserveConfig:
@@ -44,7 +59,7 @@ def load_config(path: str | Path) -> RdserveConfig:
     """
     path = Path(path)
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml.load(path.read_text(), Loader=_UniqueKeyLoader) or {}
     except OSError as err:
         raise ConfigError(f"{path}: cannot read config file ({err.strerror})") from None
     except yaml.YAMLError as err:

@@ -37,6 +37,9 @@ def moved_keys(data: dict) -> list[str]:
             problems.append(f"{section}.{key}: moved to {place}")
     if "router" in data and not data["router"]:  # `router:` left empty (null) or `router: {}`
         problems.append("router: moved to the speculation section")
+    elif isinstance(data.get("router"), dict):
+        problems += [f"router.{key}: the router section moved to speculation (it has no {key})"
+                     for key in data["router"] if ("router", key) not in MOVED_KEYS]
     return problems
 
 

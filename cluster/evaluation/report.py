@@ -100,7 +100,8 @@ def _staged(s: dict) -> list[str]:
         pays = ", ".join(f"c={k}: {'yes' if v else 'no'}" for k, v in d["pays_by_level"].items())
         lines += ["", "### Decision",
                   f"Speculation pays (throughput >= plain and median TPOT <= plain) at: {pays}. Crossover "
-                  f"concurrency {d['crossover_concurrency']}; for the router config:", "", "```yaml",
+                  f"concurrency {d['crossover_concurrency']}; merge into the config's `speculation:` section (read under "
+                  "policy fixed or table; under auto the goodput model decides per iteration):", "", "```yaml",
                   d["speculation_yaml"].rstrip(), "```"]
     return lines
 
@@ -122,7 +123,7 @@ def render_markdown(results: dict) -> str:
     if "quality" in results:
         lines += ["## 4. Quality regression", "", *_quality(results["quality"]), ""]
     if "staged_load" in results:
-        lines += ["## 5. Staged load: spec vs plain vs router (auto)", "", *_staged(results["staged_load"]), ""]
+        lines += ["## 5. Staged load: spec vs plain vs auto", "", *_staged(results["staged_load"]), ""]
     return "\n".join(lines) + "\n"
 
 

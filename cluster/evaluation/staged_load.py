@@ -1,4 +1,4 @@
-"""Step 5, staged load: speculative vs plain vs the router (auto) from low traffic to high concurrency.
+"""Step 5, staged load: speculative vs plain vs auto (the per-request mode) from low traffic to high concurrency.
 
 Each mode runs closed-loop at every concurrency level (and, optionally, open-loop at a Poisson rate).
 Speculation pays at a level when its output-token throughput is at least plain's and its median

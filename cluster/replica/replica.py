@@ -93,7 +93,7 @@ class EngineReplica:
         snap = self.engine.snapshot()
         kv = snap.kv_size
         return {"load": self.load, "speculative_available": self.engine.speculative_available,
-                "compute_path": self.engine.compute_path, "spec_schedule": policy_text(self.engine.spec_policy),
+                "compute_path": self.engine.compute_path, "speculation": policy_text(self.engine.spec_policy),
                 "spec_max_load": self.spec_cfg.spec_max_load,
                 "kv_cache": {"blocks": kv.num_blocks, "tokens_per_block": kv.block_size, "tokens": kv.num_tokens,
                              "mib": round(kv.mib, 1), "free_blocks": snap.free_blocks},

@@ -46,6 +46,14 @@ class ComputePathPolicy(_Options):
     calibration: Path | None = Field(None, description="`rdserve calibrate --out` JSON measured on this path, "
                                      "read instead of speculation.calibration (policy auto)")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _a_mapping(cls, value):
+        if isinstance(value, (str, list)):
+            raise ValueError("expected {table: ROWS} or {calibration: FILE}, e.g. gguf-avx2: {calibration: "
+                             f"my.calibration.json}}; got {value!r}")
+        return value
+
     @model_validator(mode="after")
     def _one_of_table_or_calibration(self):
         if (self.table is None) == (self.calibration is None):

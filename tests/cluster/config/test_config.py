@@ -109,8 +109,8 @@ def test_relative_paths_resolve_against_the_config_directory(tmp_path):
          "speculation.prompt_lookup_max_num_tokens: 3 is below"),
         ("engine: {backend: tensorrt_llm}\nspeculation: {prompt_lookup_num_tokens: 4}",
          "speculation.prompt_lookup_num_tokens: the prompt-lookup beam needs engine.backend torch"),
-        ("speculation: {by_compute_path: {avx2: {table: off}}}", r"speculation.by_compute_path.avx2 \(key\): Value "
-         "error, 'avx2' is not a compute path: expected cuda or WEIGHTS-ISA"),
+        ("speculation: {by_compute_path: {avx2: {table: off}}}", r"speculation.by_compute_path.avx2 \(key\): "
+         "'avx2' is not a compute path: expected cuda or WEIGHTS-ISA"),
         ("speculation: {by_compute_path: {gguf-avx2: {table: [{max_batch_size: 0, num_beams: 1, "
          "draft_len_per_beam: 1}]}}}",
          "speculation.by_compute_path.gguf-avx2.table"),
@@ -118,23 +118,23 @@ def test_relative_paths_resolve_against_the_config_directory(tmp_path):
          "drafter: {path: d}", "speculation.by_compute_path.gguf-avx2.table: not used with policy 'auto' and "
          "speculation.calibration"),
         ("speculation: {policy: auto, by_compute_path: {avx2: {calibration: c.json}}}\ndrafter: {path: d}",
-         r"speculation.by_compute_path.avx2 \(key\): Value error, 'avx2' is not a compute path"),
+         r"speculation.by_compute_path.avx2 \(key\): 'avx2' is not a compute path"),
         ("speculation: {by_compute_path: {gguf-avx2: {calibration: c.json}}}",
          r"speculation.by_compute_path.gguf-avx2.calibration: only read with policy 'auto' \(policy is 'fixed'\)"),
         ("speculation: {policy: auto}\ndrafter: {path: d}",
          "speculation.calibration: policy 'auto' needs the calibration JSON"),
         ("speculation: {policy: auto, by_compute_path: {gguf-avx2: {calibration: c.json, table: off}}}\n"
-         "drafter: {path: d}", "speculation.by_compute_path.gguf-avx2: Value error, give exactly one of table and "
+         "drafter: {path: d}", "speculation.by_compute_path.gguf-avx2: give exactly one of table and "
          "calibration"),
         ("engine: {tp_size: 0}", "engine.tp_size"),
         ("speculation: {default_mode: fast}", "speculation.default_mode"),
         ("speculation: {spec_max_load: -1}", "speculation.spec_max_load"),
         ("serve: {replicas: 0}", "serve.replicas"),
         ("serve: {autoscaling: {min_replicas: 3, max_replicas: 2}}",
-         "serve.autoscaling.max_replicas: Value error, must be >= min_replicas"),
+         "serve.autoscaling.max_replicas: must be >= min_replicas"),
         ("serve: {autoscaling: {min_replicas: 0}}", "serve.autoscaling.min_replicas"),
         ("serve: {autoscaling: {metrics_interval_s: 5, look_back_period_s: 5}}",
-         "serve.autoscaling.look_back_period_s: Value error, must be longer than metrics_interval_s"),
+         "serve.autoscaling.look_back_period_s: must be longer than metrics_interval_s"),
         ("serve: {autoscaling: {kv_usage_target: 1.5}}", "serve.autoscaling.kv_usage_target"),
         ("serve: {autoscaling: {target_ongoing_requests: 0}}", "serve.autoscaling.target_ongoing_requests"),
         ("serve: {autoscaling: {slo_ttft_ms: -1}}", "serve.autoscaling.slo_ttft_ms"),
@@ -330,3 +330,19 @@ def test_num_threads_above_the_cores_warns_and_uses_the_cores(tmp_path, monkeypa
     caplog.clear()
     assert num_threads(load_config(write(tmp_path, "engine: {num_threads: 4}\n"))) == 4
     assert not caplog.text
+
+
+def test_a_key_given_twice_is_refused(tmp_path):
+    """A second ``speculation:`` pasted at the end of a file would silently replace the first (PyYAML keeps
+    the last); the config refuses it instead."""
+    with pytest.raises(ConfigError, match="'speculation' appears twice"):
+        load_config(write(tmp_path, "speculation: {policy: off}\nspeculation: {spec_max_load: 2}\n"))
+
+
+def test_old_shapes_of_moved_sections_get_a_hint(tmp_path):
+    with pytest.raises(ConfigError, match=r"speculation.by_compute_path.gguf-avx2: expected \{table: ROWS\} or "
+                                          r"\{calibration: FILE\}"):
+        load_config(write(tmp_path, "speculation: {policy: auto, by_compute_path: {gguf-avx2: c.json}}\n"
+                                    "drafter: {path: d}\n"))
+    with pytest.raises(ConfigError, match=r"router.foo: the router section moved to speculation"):
+        load_config(write(tmp_path, "router: {foo: 1}\n"))

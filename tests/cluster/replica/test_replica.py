@@ -146,7 +146,7 @@ def test_a_path_without_calibration_admits_spec_as_far_as_its_fallback_drafts(ti
     try:
         assert not replica.per_iteration and replica.spec_cfg.spec_max_load == 1
         stats = replica.stats()
-        assert stats["spec_max_load"] == 1 and stats["spec_schedule"] == "2x3<=1, off above"
+        assert stats["spec_max_load"] == 1 and stats["speculation"] == "2x3<=1, off above"
     finally:
         replica.async_engine.shutdown()
 
