@@ -23,7 +23,7 @@ from workers.models.loader import load_model
 from workers.models.pull import default_model_dir, is_complete
 from workers.sampling_params import SamplingParams
 
-needs_kernel = pytest.mark.skipif(not build.available(), reason="CPU kernels unavailable here")
+needs_kernel = pytest.mark.skipif(not build.available(), reason="CPU kernels unavailable here (no C compiler or no AVX2, or RDSERVE_CPU_KERNELS=0)")
 
 
 @pytest.fixture(scope="module")
@@ -127,7 +127,7 @@ def test_where_gguf_cannot_be_served(tiny_model_dirs, gguf_dir, monkeypatch):
 
 
 @needs_kernel
-@pytest.mark.skipif(not is_complete(default_model_dir()), reason="default model not pulled")
+@pytest.mark.skipif(not is_complete(default_model_dir()), reason="needs the default model pulled (`rdserve model pull`; `make test` pulls it first)")
 def test_default_model_is_served_from_its_shipped_blocks():
     """SmolLM2-135M-Instruct.Q4_1.gguf: all 210 layer matrices Q4_1 (fused into 120 layers), the tied
     head Q8_0; every dequantized block equals the float32 weights `rdserve model pull` wrote."""
