@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from cluster.evaluation.plots import plot_acceptance, plot_load
+from cluster.evaluation.staged_load import speculation_snippet
 
 DEFINITIONS = """\
 Metric definitions (as vLLM `bench serve`): **TTFT** = request sent -> first chunk with content;
@@ -102,7 +103,7 @@ def _staged(s: dict) -> list[str]:
                   f"Speculation pays (throughput >= plain and median TPOT <= plain) at: {pays}. Crossover "
                   f"concurrency {d['crossover_concurrency']}; merge into the config's `speculation:` section (read under "
                   "policy fixed or table; under auto the goodput model decides per iteration):", "", "```yaml",
-                  d["speculation_yaml"].rstrip(), "```"]
+                  speculation_snippet(d["spec_max_load"]).rstrip(), "```"]
     return lines
 
 
@@ -139,6 +140,7 @@ def write_report(results: dict, out_dir: str | Path) -> dict[str, Path]:
         paths["load_png"] = plot_load(results["staged_load"], out / "load.png")
     if results.get("staged_load", {}).get("decision"):
         paths["speculation_yaml"] = out / "speculation.yaml"
-        paths["speculation_yaml"].write_text(results["staged_load"]["decision"]["speculation_yaml"])
+        # rendered from spec_max_load: results.json files of earlier versions hold other snippet keys
+        paths["speculation_yaml"].write_text(speculation_snippet(results["staged_load"]["decision"]["spec_max_load"]))
     paths["markdown"].write_text(render_markdown(results))
     return paths

@@ -26,6 +26,11 @@ def spec_pays(spec: dict, plain: dict) -> bool:
             and s_tpot is not None and p_tpot is not None and s_tpot <= p_tpot)
 
 
+def speculation_snippet(spec_max_load: int) -> str:
+    """The config lines a decision amounts to (merged into the config's ``speculation:`` section)."""
+    return f"speculation:\n  spec_max_load: {spec_max_load}\n"
+
+
 def decide(levels: Sequence[int], spec: Sequence[dict], plain: Sequence[dict], replicas: int = 1) -> dict:
     """Where speculation pays; ``speculation.spec_max_load`` for the config.
 
@@ -39,7 +44,7 @@ def decide(levels: Sequence[int], spec: Sequence[dict], plain: Sequence[dict], r
         crossover = level
     spec_max_load = crossover // max(1, replicas)
     return {"pays_by_level": dict(zip((str(c) for c in levels), pays)), "crossover_concurrency": crossover,
-            "spec_max_load": spec_max_load, "speculation_yaml": f"speculation:\n  spec_max_load: {spec_max_load}\n"}
+            "spec_max_load": spec_max_load, "speculation_yaml": speculation_snippet(spec_max_load)}
 
 
 def run_staged(target: Target, prompts: Sequence[PromptRow], *, levels: Sequence[int], max_tokens: int,

@@ -94,3 +94,17 @@ def test_report_renders_from_results(tmp_path):
     assert json.loads(paths["json"].read_text())["baseline"]["summary"]["output_throughput"] == 100
     for png in ("acceptance_png", "load_png"):
         assert paths[png].read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_results_file_of_an_earlier_version_still_renders(tmp_path):
+    """``rdserve eval`` adds steps to an existing ``results.json``; one written before the speculation
+    section held the decision's snippet under another key, and the report rendered it from there."""
+    from cluster.evaluation.report import write_report
+
+    s = summary(100, 10)
+    results = {"staged_load": {"levels": [1], "slo": None, "closed_loop": {"spec": [s], "plain": [s]},
+                               "decision": {"pays_by_level": {"1": True}, "crossover_concurrency": 1,
+                                            "spec_max_load": 1, "router_yaml": "router:\n  spec_max_load: 1\n"}}}
+    paths = write_report(results, tmp_path)
+    assert paths["speculation_yaml"].read_text() == "speculation:\n  spec_max_load: 1\n"
+    assert "speculation:\n  spec_max_load: 1" in paths["markdown"].read_text()
