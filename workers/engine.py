@@ -25,9 +25,10 @@ import torch
 from workers.block_manager import BlockManager, KVCacheSize
 from workers.engine_metrics import EngineStats, EngineStatsDelta
 from workers.engine_options import EngineOptions
+from workers.logprobs import TokenText, compute_logprobs
 from workers.model_runner import ModelRunner, RequestState
 from workers.models.tokenizer import apply_chat_template
-from workers.outputs import GenerationDelta
+from workers.outputs import GenerationDelta, TokenLogprob
 from workers.redrafter.prompt_lookup import PromptLookup
 from workers.sampling_params import SamplingParams
 from workers.scheduler import Scheduler, SchedulerConfig
@@ -103,6 +104,7 @@ class Engine:
         self.eos_token_ids = set(model.config.eos_token_id)
         if tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(tokenizer.eos_token_id)
+        self.token_text = TokenText(tokenizer)
 
     @property
     def forced_shape(self) -> tuple[int, int] | None:
@@ -154,8 +156,12 @@ class Engine:
         seq = Sequence(request_id, list(prompt_ids), budget, speculative=mode == "spec",
                        force_draft=force_draft and mode == "spec")
         seed = None if params.greedy else params.seed if params.seed is not None else secrets.randbits(64)
-        seq.runner_state = RequestState(params, seed)
+        stop_ids = (frozenset() if params.ignore_eos else frozenset(self.eos_token_ids)) | frozenset(params.stop_token_ids)
+        seq.runner_state = RequestState(params, seed, stop_ids=stop_ids)
         seq.stream = OutputStream(self.tokenizer, params, self.eos_token_ids)
+        if params.prompt_logprobs is not None:  # the first token's entry has no logprob: nothing predicts it
+            seq.prompt_logprobs = [TokenLogprob(prompt_ids[0], *self.token_text(prompt_ids[0]), None, 0)] \
+                + [None] * (n_prompt - 1)
         seq.spec_state = self.spec_policy.new_request_state()
         if self.stats:
             self.stats.on_added(request_id)
@@ -211,6 +217,8 @@ class Engine:
             self.thread_policy.observe(rows, threads, time.perf_counter() - t0)
         deltas, finished = [], []
         for r in results:
+            if r.prompt_logits is not None:
+                self._record_prompt_logprobs(r.seq, r.prompt_logits, r.prompt_start)
             if not r.tokens:
                 continue
             seq, stream = r.seq, r.seq.stream
@@ -229,10 +237,18 @@ class Engine:
                     stats.on_generation_step(r.draft_depth, accepted)
             if stats:
                 stats.on_tokens(seq.request_id, len(seq.prompt_token_ids), emitted, len(stream.token_ids), out.finished)
-            deltas.append(GenerationDelta(
+            delta = GenerationDelta(
                 out.text, out.token_ids, out.finished, out.finish_reason, len(seq.prompt_token_ids),
                 len(stream.token_ids), seq.num_steps, seq.accepted_draft_tokens, seq.request_id,
-            ))
+            )
+            params = seq.runner_state.params
+            if params.logprobs is not None:  # the rows of the tokens kept: a stop cuts them where it cuts the text
+                kept = out.token_ids
+                values = compute_logprobs(r.token_logits[: len(kept)], kept, params.logprobs)
+                delta.logprobs = [self.token_text.entry(t, *v) for t, v in zip(kept, values)]
+            if seq.prompt_logprobs is not None and emitted == 0:
+                delta.prompt_logprobs = seq.prompt_logprobs
+            deltas.append(delta)
             if out.finished:
                 finished.append(seq)
         # Finished only once every result is in: if one raises above, the requests that finished
@@ -243,6 +259,14 @@ class Engine:
             stats.on_iteration(len(plan.context), len(plan.generation), plan.spec_shape, len(plan.preempted),
                                time.perf_counter() - t0)
         return deltas
+
+    def _record_prompt_logprobs(self, seq: Sequence, logits: torch.Tensor, start: int) -> None:
+        """Prompt tokens ``start ..`` get the logprobs of ``logits`` (``[n, V]``, row k predicts
+        token ``start + k``); a chunk computed again after a preemption writes the same entries."""
+        tokens = seq.prompt_token_ids[start : start + logits.shape[0]]
+        values = compute_logprobs(logits, tokens, seq.runner_state.params.prompt_logprobs)
+        for k, (token, value) in enumerate(zip(tokens, values)):
+            seq.prompt_logprobs[start + k] = self.token_text.entry(token, *value)
 
     def generate(self, prompt_ids: list[int], params: SamplingParams, mode: str,
                  request_id: str = "generate", force_draft: bool = False) -> Iterator[GenerationDelta]:

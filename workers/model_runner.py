@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from workers.block_manager import BlockManager
+from workers.logits_processing import process_logits, prompt_presence
 from workers.forward_batch import AttentionGroup, ForwardBatch
 from workers.redrafter.acceptance import accept_greedy, accept_sampled
 from workers.redrafter.beam_search import draft_beams_batch, draft_distinct_first_batch
@@ -45,6 +46,11 @@ class StepResult:
     accepted_draft_tokens: how many of ``tokens`` were drafted.
     generation_step: True for a generation-phase step (counts towards tokens per step).
     draft_depth: the draft tree's depth (its longest beam's drafted tokens); 0 for a plain step.
+    token_logits: ``[len(tokens), V]`` raw logits of the rows that chose ``tokens`` (row k predicts
+        ``tokens[k]``), for requests that asked for logprobs; None otherwise.
+    prompt_logits: ``[n, V]`` raw logits of a context chunk's rows whose next token is a prompt token
+        (row k predicts prompt token ``prompt_start + k``), for requests that asked for prompt
+        logprobs, the first time their prompt is computed; None otherwise.
     """
 
     seq: Sequence
@@ -52,6 +58,9 @@ class StepResult:
     accepted_draft_tokens: int
     generation_step: bool
     draft_depth: int = 0
+    token_logits: torch.Tensor | None = None
+    prompt_logits: torch.Tensor | None = None
+    prompt_start: int = 0
 
 
 @dataclass
@@ -60,11 +69,16 @@ class RequestState:
 
     hidden: ``[hidden_size]`` base hidden state that chose the last output token (the drafter's
         context), None before the first token.
+    stop_ids: token ids that end the request (EOS unless ``ignore_eos``, and ``stop_token_ids``):
+        forbidden before ``params.min_tokens`` (:mod:`workers.logits_processing`).
+    prompt_seen: ``[V] bool`` tokens of the prompt, for ``repetition_penalty`` (built at first use).
     """
 
     params: SamplingParams
     seed: int | None  # sampled requests: keys every draw (workers.sampling.keyed_uniform); greedy: None
     hidden: torch.Tensor | None = None
+    stop_ids: frozenset[int] = frozenset()
+    prompt_seen: torch.Tensor | None = None
 
 
 @dataclass
@@ -116,35 +130,43 @@ class ModelRunner:
         """
         rows = self._draft(generation, spec_shape, draft_limits or {})
         rows = sorted(rows, key=lambda r: -r.num_nodes)  # widest first; equal widths are adjacent (stable)
-        batch, logit_rows, last_rows, row_starts = self._pack(context, rows)
+        batch, logit_rows, last_rows, row_starts, prompt_rows = self._pack(context, rows)
         hidden = self.executor.forward(batch.to(self.device) if self.device.type != "cpu" else batch)
         logits = self.executor.logits(hidden[logit_rows]) if logit_rows else None
         results, copies_src, copies_dst = [], [], []
         cursor = 0  # row of ``logits``
-        for (seq, start, n), last in zip(context, last_rows):
+        for (seq, start, n), last, n_prompt in zip(context, last_rows, prompt_rows):
             seq.num_computed_tokens = start + n
             state: RequestState = seq.runner_state
+            prompt_logits = None
+            if n_prompt:  # rows predicting prompt tokens start + 1 .. start + n_prompt
+                prompt_logits = logits[cursor : cursor + n_prompt]
+                cursor += n_prompt
             if seq.is_prefill or seq.output_token_ids:
                 if not seq.is_prefill:  # recomputed after preemption: the last output token is known
                     state.hidden = hidden[last]
-                results.append(StepResult(seq, [], 0, False))
+                results.append(StepResult(seq, [], 0, False, prompt_logits=prompt_logits, prompt_start=start + 1))
                 continue
-            token = self._choose(logits[cursor : cursor + 1], state, seq.num_tokens)[0]
+            row_logits = logits[cursor : cursor + 1]
+            token = self._choose(row_logits, state, seq)[0]
             state.hidden = hidden[last]
             cursor += 1
             seq.output_token_ids.append(token)
-            results.append(StepResult(seq, [token], 0, False))
+            results.append(StepResult(seq, [token], 0, False, token_logits=self._kept(row_logits, state),
+                                      prompt_logits=prompt_logits, prompt_start=start + 1))
         for row, row_start in zip(rows, row_starts):
             seq, state = row.seq, row.seq.runner_state
             node_logits = logits[cursor : cursor + row.num_nodes]
             cursor += row.num_nodes
             if row.tree is None:
-                path, bonus = [0], self._choose(node_logits, state, seq.num_tokens)[0]
-            elif state.params.greedy:
-                path, bonus = accept_greedy(row.tree, node_logits.argmax(-1).tolist())
+                path, bonus = [0], self._choose(node_logits, state, seq)[0]
             else:
-                draws = [keyed_uniform(state.seed, seq.num_tokens + d) for d in range(int(row.tree.depths[-1]) + 1)]
-                path, bonus = accept_sampled(row.tree, adjusted_probs(node_logits, state.params), draws)
+                processed = self._processed(node_logits, state, seq, row.tree)
+                if state.params.greedy:
+                    path, bonus = accept_greedy(row.tree, processed.argmax(-1).tolist())
+                else:
+                    draws = [keyed_uniform(state.seed, seq.num_tokens + d) for d in range(int(row.tree.depths[-1]) + 1)]
+                    path, bonus = accept_sampled(row.tree, adjusted_probs(processed, state.params), draws)
             L = row.length
             if path != list(range(len(path))):
                 copies_src.append(self.blocks.slots(seq, L, L + row.num_nodes)[path])
@@ -157,7 +179,8 @@ class ModelRunner:
             seq.num_computed_tokens = L + len(path)
             seq.output_token_ids.extend(drafted + [bonus])
             depth = 0 if row.tree is None else int(row.tree.depths[-1])
-            results.append(StepResult(seq, drafted + [bonus], len(drafted), True, depth))
+            kept = self._kept(node_logits[path], state)  # row path[k] chose the k-th emitted token
+            results.append(StepResult(seq, drafted + [bonus], len(drafted), True, depth, token_logits=kept))
         if copies_src:
             self.executor.copy_slots(torch.cat(copies_src).to(self.device), torch.cat(copies_dst).to(self.device))
         return results
@@ -204,7 +227,8 @@ class ModelRunner:
 
     def _pack(self, context, rows: list[_GenRow]) -> tuple[ForwardBatch, list[int], list[int], list[int]]:
         """Pack context chunks and generation rows; returns the batch, the rows needing logits, each
-        context chunk's last row and each generation row's first row. Rows that recompute a
+        context chunk's last row, each generation row's first row, and each context chunk's rows
+        for prompt logprobs (its first rows; they come before its last row in the logits). Rows that recompute a
         preempted request's generated tokens are not prompt rows (``ForwardBatch.prompt_rows``), so
         a prefill path gives them the same values decoding did.
 
@@ -212,7 +236,7 @@ class ModelRunner:
         padded: every tree row passes through every linear layer, and a padded one would cost as
         much as a real one (a prompt-lookup beam makes widths differ between requests). ``rows``
         must list equal widths next to each other, trees before plain rows."""
-        ids, pos, slots, groups, logit_rows, last_rows = [], [], [], [], [], []
+        ids, pos, slots, groups, logit_rows, last_rows, prompt_rows = [], [], [], [], [], [], []
         n_rows, prompt_spans, recompute = 0, [], False
         for seq, start, n in context:
             tokens = (seq.prompt_token_ids + seq.output_token_ids)[start : start + n]
@@ -226,6 +250,12 @@ class ModelRunner:
             mask = torch.ones(n, start + n, dtype=torch.bool)
             mask[:, start:] = torch.ones(n, n, dtype=torch.bool).tril()
             groups.append(AttentionGroup(n_rows, 1, n, kv[None], mask[None, None], self._run_start(seq, start + n)))
+            # rows whose next token is a prompt token, for prompt logprobs (the first computation only)
+            n_logprob = 0
+            if seq.runner_state.params.prompt_logprobs is not None and not seq.output_token_ids:
+                n_logprob = max(0, min(start + n, len(seq.prompt_token_ids) - 1) - start)
+            prompt_rows.append(n_logprob)
+            logit_rows.extend(range(n_rows, n_rows + n_logprob))
             n_rows += n
             last_rows.append(n_rows - 1)
             if start + n == seq.num_context_tokens and not seq.output_token_ids:
@@ -267,7 +297,7 @@ class ModelRunner:
             n_rows += len(group) * width
         batch = ForwardBatch(torch.cat(ids), torch.cat(pos), torch.cat(slots), groups,
                              torch.cat([torch.arange(a, b) for a, b in prompt_spans]) if recompute else None)
-        return batch, logit_rows, last_rows, row_starts
+        return batch, logit_rows, last_rows, row_starts, prompt_rows
 
     def _run_start(self, seq: Sequence, upto: int) -> int | None:
         """First slot when positions ``[0, upto)`` of ``seq`` lie in consecutive blocks, else None."""
@@ -277,9 +307,28 @@ class ModelRunner:
             return table[0] * bs
         return None
 
-    @staticmethod
-    def _choose(logits: torch.Tensor, state: RequestState, position: int) -> list[int]:
-        """The token at sequence ``position`` from its one row of ``logits`` (``[1, V]``)."""
+    def _choose(self, logits: torch.Tensor, state: RequestState, seq: Sequence) -> list[int]:
+        """The token at sequence position ``seq.num_tokens`` from its one row of ``logits`` (``[1, V]``)."""
+        logits = self._processed(logits, state, seq, None)
         if state.params.greedy:
             return logits.argmax(-1).tolist()
-        return sample_keyed(adjusted_probs(logits, state.params), [keyed_uniform(state.seed, position)])
+        return sample_keyed(adjusted_probs(logits, state.params), [keyed_uniform(state.seed, seq.num_tokens)])
+
+    @staticmethod
+    def _processed(logits: torch.Tensor, state: RequestState, seq: Sequence, tree: PrefixTree | None) -> torch.Tensor:
+        """``logits`` (``[m, V]``: a tree's nodes, or one row) after the request's logits processors,
+        each row with its own path's history (:func:`workers.logits_processing.process_logits`)."""
+        params = state.params
+        if not params.has_processors:
+            return logits
+        if params.repetition_penalty != 1.0 and state.prompt_seen is None:
+            state.prompt_seen = prompt_presence(seq.prompt_token_ids, logits.shape[-1])
+        if tree is None:
+            return process_logits(logits, params, seq.output_token_ids, state.prompt_seen, stop_ids=state.stop_ids)
+        return process_logits(logits, params, seq.output_token_ids, state.prompt_seen, tree.depths,
+                              tree.tokens[1:], tree.mask[:, 1:], state.stop_ids)
+
+    @staticmethod
+    def _kept(rows: torch.Tensor, state: RequestState) -> torch.Tensor | None:
+        """The raw logits rows of the emitted tokens, kept only for a request that asked for logprobs."""
+        return rows if state.params.logprobs is not None else None

@@ -3,7 +3,31 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class TopLogprob:
+    """One of a token's most likely alternatives: id, text, UTF-8 bytes, logprob (natural log)."""
+
+    token_id: int
+    token: str
+    bytes: list[int]
+    logprob: float
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """An emitted (or prompt) token's logprob, its ``rank`` among the vocabulary (1 = most likely) and
+    its ``top`` alternatives (:mod:`workers.logprobs`). The prompt's first token, which nothing
+    predicts, has ``logprob`` None, rank 0 and no alternatives."""
+
+    token_id: int
+    token: str
+    bytes: list[int]
+    logprob: float | None
+    rank: int
+    top: list[TopLogprob] = field(default_factory=list)
 
 
 @dataclass
@@ -13,6 +37,10 @@ class GenerationDelta:
     Counters are cumulative. ``num_steps`` counts generation-phase steps (forward passes after the
     context phase); ``accepted_draft_tokens`` counts drafted tokens the base model accepted and the
     request emitted.
+
+    ``logprobs``: one entry per token of ``token_ids`` when the request asked for logprobs (None
+    otherwise). ``prompt_logprobs``: on the first delta of a request that asked for them, one entry
+    per prompt token (the first with ``logprob`` None: nothing predicts it).
     """
 
     text: str
@@ -24,6 +52,8 @@ class GenerationDelta:
     num_steps: int
     accepted_draft_tokens: int
     request_id: str = ""
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def tokens_per_step(self) -> float:

@@ -81,6 +81,9 @@ class Sequence:
         here): the scheduler passes it to ``policy.drafts`` and the engine to ``policy.observe``.
     lookup: the prompt-lookup beam; the model runner updates it and the scheduler reserves tree
         slots for ``lookup.length``.
+    prompt_logprobs: for a request that asked for them, one ``TokenLogprob`` per prompt token (None
+        until computed; the first has no logprob), filled chunk by chunk by the engine and sent with
+        its first output; None for other requests.
     """
 
     request_id: str
@@ -100,6 +103,7 @@ class Sequence:
     accepted_draft_tokens: int = 0
     spec_state: object | None = None
     lookup: LookupState = field(default_factory=LookupState)
+    prompt_logprobs: list | None = None
 
     def __post_init__(self):
         if not self.prompt_token_ids:

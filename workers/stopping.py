@@ -84,7 +84,8 @@ class IncrementalDetokenizer:
 class OutputStream:
     """Output tokens and streamed text of one sequence, cut exactly at its stop condition.
 
-    ``eos_token_ids`` end the sequence unless ``params.ignore_eos``. The final text equals
+    ``eos_token_ids`` end the sequence unless ``params.ignore_eos``; ``params.stop_token_ids`` end it
+    always (vLLM), their text not part of the output, as EOS's is not. The final text equals
     ``tokenizer.decode(output_ids_without_eos, skip_special_tokens=True)`` cut right before the
     earliest stop string, and equals the concatenation of all delta texts.
     """
@@ -92,7 +93,8 @@ class OutputStream:
     def __init__(self, tokenizer: PreTrainedTokenizerBase, params: SamplingParams, eos_token_ids: set[int]):
         self._params = params
         self._stops = tuple(s for s in params.stop if s)
-        self._eos_token_ids = frozenset() if params.ignore_eos else frozenset(eos_token_ids)
+        self._eos_token_ids = (frozenset() if params.ignore_eos else frozenset(eos_token_ids)) \
+            | frozenset(params.stop_token_ids)
         self._detokenizer = IncrementalDetokenizer(tokenizer)
         self._token_ids: list[int] = []
         self._text = ""

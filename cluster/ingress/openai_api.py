@@ -244,7 +244,9 @@ class OpenAIIngress:
             prompt=body.prompt_text, messages=None, sampling=body.sampling_params(),
             max_tokens=body.requested_max_tokens, max_tokens_field=body.max_tokens_field, mode=body.requested_mode,
         )
-        return await self._respond(req, body, CompletionFormat(self.model_name))
+        fmt = CompletionFormat(self.model_name, echo=body.prompt_text if body.echo else None,
+                               show_prompt_logprobs=body.prompt_logprobs is not None)
+        return await self._respond(req, body, fmt)
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -314,13 +316,17 @@ class OpenAIIngress:
 
     async def _collect(self, stream: ResponseStream, started: Started,
                        fmt: ChatFormat | CompletionFormat, guard: RequestGuard) -> JSONResponse | BaseModel:
-        pieces, last = [], None
+        pieces, last, logprobs, prompt_logprobs = [], None, None, None
         try:
             async for item in guard.items(stream):
                 if isinstance(item, Failed):
                     await _end_stream(stream)
                     return _failed_response(item)
                 pieces.append(item.text)
+                if item.logprobs is not None:
+                    logprobs = (logprobs or []) + item.logprobs
+                if item.prompt_logprobs is not None:
+                    prompt_logprobs = item.prompt_logprobs
                 last = item
                 if item.finished:
                     await _end_stream(stream)
@@ -334,7 +340,8 @@ class OpenAIIngress:
             return _failed_response(Failed(500, f"engine error: {type(err).__name__}: {err}"))
         if last is None or not last.finished:
             return _failed_response(Failed(500, "engine error: the generation ended without a final step"))
-        return fmt.response("".join(pieces), last.finish_reason, usage_of(last), stats_of(started, last))
+        return fmt.response("".join(pieces), last.finish_reason, usage_of(last), stats_of(started, last),
+                            logprobs, prompt_logprobs)
 
     async def _events(self, stream: ResponseStream, started: Started, include_usage: bool,
                       fmt: ChatFormat | CompletionFormat, guard: RequestGuard) -> AsyncIterator[str]:
@@ -350,12 +357,13 @@ class OpenAIIngress:
                     yield sse(error_body(item.message, item.param, "server_error"))
                     break
                 if item.finished:
-                    yield sse(fmt.chunk(item.text, item.finish_reason, stats_of(started, item)))
+                    yield sse(fmt.chunk(item.text, item.finish_reason, stats_of(started, item),
+                                        item.logprobs, item.prompt_logprobs))
                     if include_usage:
                         yield sse(fmt.usage_chunk(usage_of(item)))
                     break
-                if item.text:
-                    yield sse(fmt.chunk(item.text))
+                if item.text or item.logprobs or item.prompt_logprobs is not None:
+                    yield sse(fmt.chunk(item.text, logprobs=item.logprobs, prompt_logprobs=item.prompt_logprobs))
             else:  # the stream ended without its last item
                 finished = True
                 yield sse(error_body("engine error: the generation ended without a final step", None, "server_error"))

@@ -24,9 +24,10 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, create_model, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
-from workers.sampling_params import SamplingParams
+from workers.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
 
 DEFAULT_MAX_TOKENS = 1024
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -129,17 +130,15 @@ def fit_kv_cache(max_tokens: int, prompt_tokens: int, kv_tokens: int, *, default
 
 # OpenAI request fields rdserve does not implement, with the values that mean "not used".
 UNSUPPORTED: dict[str, tuple] = {
-    "logprobs": (None, False), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
-    "suffix": (None, ""), "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
-    "logit_bias": (None, {}), "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
+    "best_of": (None, 1), "suffix": (None, ""),
+    "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
     "function_call": (None, "none"), "response_format": (None, {"type": "text"}),
     "modalities": (None, ["text"]), "audio": (None,),
     # vLLM's extensions, which clients of vLLM-compatible servers send: each changes what the request
     # means, so it is honoured or refused, never ignored
     "structured_outputs": (None,), "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
     "guided_grammar": (None,), "guided_decoding_backend": (None,), "guided_whitespace_pattern": (None,),
-    "prompt_logprobs": (None,), "repetition_penalty": (None, 1, 1.0), "min_tokens": (None, 0),
-    "stop_token_ids": (None, []), "include_stop_str_in_output": (None, False), "min_p": (None, 0, 0.0),
+    "include_stop_str_in_output": (None, False), "min_p": (None, 0, 0.0),
     "use_beam_search": (None, False), "length_penalty": (None, 1, 1.0), "bad_words": (None, []),
     "allowed_token_ids": (None,), "logits_processors": (None,), "truncate_prompt_tokens": (None,),
     "skip_special_tokens": (None, True), "spaces_between_special_tokens": (None, True),
@@ -148,8 +147,10 @@ UNSUPPORTED: dict[str, tuple] = {
 }
 
 
-# /v1/completions' ``logprobs`` is a count of alternatives: 0 still asks for the sampled tokens' logprobs.
-COMPLETION_UNSUPPORTED: dict[str, tuple] = {**UNSUPPORTED, "logprobs": (None,)}
+# vLLM's chat ``echo`` (repeat the last message) is not implemented; completions' ``echo`` is.
+CHAT_UNSUPPORTED: dict[str, tuple] = {**UNSUPPORTED, "echo": (None, False)}
+# /v1/completions has no ``top_logprobs``: its ``logprobs`` is the count of alternatives.
+COMPLETION_UNSUPPORTED: dict[str, tuple] = {**UNSUPPORTED, "top_logprobs": (None,)}
 
 MAX_STOP_STRINGS = 4  # OpenAI's limit
 MAX_STOP_CHARS = 256
@@ -182,7 +183,10 @@ class StreamOptions(BaseModel):
 
 
 # One optional field per unsupported name, so a rejection names the field (``_not_implemented``).
-_UnsupportedFields = create_model("_UnsupportedFields", **{name: (Any, None) for name in UNSUPPORTED})
+_ANY_UNSUPPORTED = {**CHAT_UNSUPPORTED, **COMPLETION_UNSUPPORTED}
+_UnsupportedFields = create_model("_UnsupportedFields", **{name: (Any, None) for name in _ANY_UNSUPPORTED})
+
+MAX_LOGPROBS = MAX_TOP_LOGPROBS  # alternatives per token (OpenAI's top_logprobs limit; vLLM's max_logprobs)
 
 
 class _GenerationRequest(_UnsupportedFields):
@@ -201,15 +205,37 @@ class _GenerationRequest(_UnsupportedFields):
     n: int = 1
     ignore_eos: bool = False
     rdserve: RdserveOptions | None = None
+    # logits processors (OpenAI; vLLM's extensions), see workers.sampling_params.SamplingParams
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+    repetition_penalty: float | None = Field(None, gt=0.0)
+    min_tokens: int | None = Field(None, ge=0)
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
-    @field_validator(*UNSUPPORTED)
+    @field_validator(*_ANY_UNSUPPORTED)
     @classmethod
     def _not_implemented(cls, value, info):
-        allowed = cls.unsupported[info.field_name]
-        if value not in allowed:
+        allowed = cls.unsupported.get(info.field_name)
+        if allowed is not None and value not in allowed:
             shown = " or ".join(json.dumps(a) for a in allowed)
             raise ValueError(f"not supported by this server (accepted only as {shown})")
         return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_by_token_id(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        """Raises:
+            ValueError: a key that is not a token id (a non-negative integer) or a bias outside
+                [-100, 100] (OpenAI's range).
+        """
+        for key, value in (bias or {}).items():
+            if not key.isdigit():
+                raise ValueError(f"keys must be token ids (non-negative integers), got {key!r}")
+            if not -100.0 <= value <= 100.0:
+                raise ValueError(f"bias for token {key} is {value}; biases must lie in [-100, 100]")
+        return bias
 
     @field_validator("n")
     @classmethod
@@ -268,10 +294,43 @@ class _GenerationRequest(_UnsupportedFields):
     def requested_mode(self) -> str | None:
         return self.rdserve.mode if self.rdserve else None
 
+    @property
+    def num_logprobs(self) -> int | None:
+        """Alternatives per output token, or None when logprobs are off."""
+        return None
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        return self.prompt_logprobs
+
     def sampling_params(self) -> SamplingParams:
-        """Everything but ``max_tokens``, which needs the prompt length (``resolve_max_tokens``)."""
-        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                              seed=self.seed, stop=tuple(self.stop or ()), ignore_eos=self.ignore_eos)
+        """Everything but ``max_tokens``, which needs the prompt length (``resolve_max_tokens``).
+        Token ids in ``logit_bias`` and ``stop_token_ids`` are checked against the model's
+        vocabulary by the replica (:func:`check_token_ids`)."""
+        return SamplingParams(
+            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
+            stop=tuple(self.stop or ()), ignore_eos=self.ignore_eos,
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            logit_bias=tuple((int(k), float(v)) for k, v in (self.logit_bias or {}).items()),
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            frequency_penalty=self.frequency_penalty or 0.0, presence_penalty=self.presence_penalty or 0.0,
+            min_tokens=self.min_tokens or 0, logprobs=self.num_logprobs, prompt_logprobs=self.num_prompt_logprobs)
+
+
+def check_token_ids(params: SamplingParams, vocab_size: int) -> None:
+    """Raises:
+        RequestError: a ``logit_bias`` or ``stop_token_ids`` token id outside the model's vocabulary
+            of ``vocab_size`` ids, or ``min_tokens`` above ``max_tokens`` (vLLM's checks).
+    """
+    for token, _ in params.logit_bias:
+        if token >= vocab_size:
+            raise RequestError("logit_bias", f"logit_bias: token id {token} is out of the vocabulary (0-{vocab_size - 1})")
+    for token in params.stop_token_ids:
+        if token >= vocab_size:
+            raise RequestError("stop_token_ids", f"stop_token_ids: token id {token} is out of the vocabulary "
+                                                 f"(0-{vocab_size - 1})")
+    if params.min_tokens > params.max_tokens:
+        raise RequestError("min_tokens", f"min_tokens: {params.min_tokens} is more than max_tokens ({params.max_tokens})")
 
 
 class TextPart(BaseModel):
@@ -308,8 +367,27 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_GenerationRequest):
+    unsupported: ClassVar[dict[str, tuple]] = CHAT_UNSUPPORTED
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self) -> ChatCompletionRequest:
+        """Raises:
+            PydanticCustomError: ``top_logprobs`` without ``logprobs: true`` (as OpenAI answers),
+                reported on ``top_logprobs``.
+        """
+        if self.top_logprobs is not None and self.logprobs is not True:
+            raise ValidationError.from_exception_data("ChatCompletionRequest", [{
+                "type": PydanticCustomError("top_logprobs", "only allowed when logprobs is true"),
+                "loc": ("top_logprobs",), "input": self.top_logprobs}])
+        return self
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
     def max_tokens_field(self) -> str:
@@ -326,6 +404,19 @@ class CompletionRequest(_GenerationRequest):
     unsupported: ClassVar[dict[str, tuple]] = COMPLETION_UNSUPPORTED
     prompt: Text
     max_tokens: int | None = Field(COMPLETIONS_DEFAULT_MAX_TOKENS, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool | None = None
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """Echo with logprobs returns the prompt's too (as many alternatives as the output's)."""
+        if self.echo and self.logprobs is not None:
+            return max(self.logprobs, self.prompt_logprobs or 0)
+        return self.prompt_logprobs
 
     @field_validator("max_tokens")
     @classmethod
@@ -383,6 +474,42 @@ class RdserveStats(BaseModel):
     replica: str | None = None
 
 
+class TopLogprobEntry(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatLogprobEntry(TopLogprobEntry):
+    top_logprobs: list[TopLogprobEntry]
+
+
+class ChatLogprobs(BaseModel):
+    """OpenAI's chat ``logprobs``: one entry per output token."""
+
+    content: list[ChatLogprobEntry] | None
+    refusal: None = None
+
+
+class CompletionLogprobs(BaseModel):
+    """OpenAI's legacy completions ``logprobs``: parallel lists, one entry per token of the text
+    (prompt tokens first with ``echo``, the first of them ``None``); ``text_offset`` is each
+    token's start in the choice's text (characters)."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class PromptLogprob(BaseModel):
+    """vLLM's ``prompt_logprobs`` entry for one token id."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str
@@ -392,7 +519,7 @@ class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -403,13 +530,14 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: Usage
     rdserve: RdserveStats
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
 
 
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: dict[str, str]
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionChunk(BaseModel):
@@ -426,7 +554,8 @@ class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
 
 
 class CompletionResponse(BaseModel):

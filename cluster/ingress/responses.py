@@ -1,9 +1,15 @@
 """Build OpenAI responses and stream chunks from engine deltas, for chat and text completions.
 
 Both formats share one shape so the ingress streams either the same way: optional opening chunks
-(chat sends ``delta: {"role": "assistant"}`` first), one chunk per non-empty text delta, exactly one
-chunk with a non-null ``finish_reason`` (carrying the ``rdserve`` stats), then, with
+(chat sends ``delta: {"role": "assistant"}`` first), one chunk per delta with text (or with logprobs:
+a token whose text is withheld still gets its logprobs as it is emitted), exactly one chunk with a
+non-null ``finish_reason`` (carrying the ``rdserve`` stats), then, with
 ``stream_options.include_usage``, a ``choices: []`` chunk with the usage.
+
+Logprobs (:class:`workers.outputs.TokenLogprob`) take OpenAI's chat shape (``logprobs.content``) or
+its legacy completions shape (parallel lists with ``text_offset``); vLLM's ``prompt_logprobs`` is a
+list with one ``{token_id: {logprob, rank, decoded_token}}`` per prompt token (None first).
+A logprob below ``LOGPROB_FLOOR`` is written as the floor (JSON has no -Infinity; vLLM's choice).
 """
 
 from __future__ import annotations
@@ -21,12 +27,46 @@ from cluster.ingress.protocol import (
     ChatChunkChoice,
     ChatCompletionChunk,
     ChatCompletionResponse,
+    ChatLogprobEntry,
+    ChatLogprobs,
     CompletionChoice,
+    CompletionLogprobs,
     CompletionResponse,
+    PromptLogprob,
     RdserveStats,
+    TopLogprobEntry,
     Usage,
 )
 from cluster.ingress.messages import Started
+
+
+LOGPROB_FLOOR = -9999.0
+
+
+def _lp(value: float) -> float:
+    return max(value, LOGPROB_FLOOR)
+
+
+def chat_logprobs(entries) -> ChatLogprobs:
+    """OpenAI's chat ``logprobs`` of output tokens (``TokenLogprob`` entries)."""
+    return ChatLogprobs(content=[ChatLogprobEntry(
+        token=e.token, logprob=_lp(e.logprob), bytes=e.bytes,
+        top_logprobs=[TopLogprobEntry(token=t.token, logprob=_lp(t.logprob), bytes=t.bytes) for t in e.top])
+        for e in entries])
+
+
+def prompt_logprobs_of(entries) -> list[dict[str, PromptLogprob] | None]:
+    """vLLM's ``prompt_logprobs``: per prompt token, the token and its top alternatives by id."""
+    out = []
+    for e in entries:
+        if e.logprob is None:
+            out.append(None)
+            continue
+        tokens = {str(t.token_id): PromptLogprob(logprob=_lp(t.logprob), rank=rank, decoded_token=t.token)
+                  for rank, t in enumerate(e.top, start=1)}
+        tokens[str(e.token_id)] = PromptLogprob(logprob=_lp(e.logprob), rank=e.rank, decoded_token=e.token)
+        out.append(tokens)
+    return out
 
 
 def usage_of(last) -> Usage:
@@ -57,21 +97,33 @@ def sse(payload: BaseModel | dict) -> str:
 
 @dataclass
 class ChatFormat:
+    """Chat completions. ``logprobs`` / ``prompt_logprobs`` arguments: the engine's entries, or None
+    when the request did not ask for them."""
+
     model: str
     id: str = field(default_factory=lambda: f"chatcmpl-{uuid.uuid4().hex}")
     created: int = field(default_factory=lambda: int(time.time()))
 
-    def response(self, text: str, finish_reason: str | None, usage: Usage, stats: RdserveStats) -> BaseModel:
-        choice = ChatChoice(message=AssistantMessage(content=text), finish_reason=finish_reason)
+    def response(self, text: str, finish_reason: str | None, usage: Usage, stats: RdserveStats,
+                 logprobs=None, prompt_logprobs=None) -> BaseModel:
+        choice = ChatChoice(message=AssistantMessage(content=text), finish_reason=finish_reason,
+                            logprobs=None if logprobs is None else chat_logprobs(logprobs))
         return ChatCompletionResponse(id=self.id, created=self.created, model=self.model, choices=[choice],
-                                      usage=usage, rdserve=stats)
+                                      usage=usage, rdserve=stats,
+                                      prompt_logprobs=None if prompt_logprobs is None else prompt_logprobs_of(prompt_logprobs))
 
     def opening_chunks(self) -> list[BaseModel]:
         return [self._chunk([ChatChunkChoice(delta={"role": "assistant", "content": ""})])]
 
-    def chunk(self, text: str, finish_reason: str | None = None, stats: RdserveStats | None = None) -> BaseModel:
+    def chunk(self, text: str, finish_reason: str | None = None, stats: RdserveStats | None = None,
+              logprobs=None, prompt_logprobs=None) -> BaseModel:
         delta = {"content": text} if text else {}
-        return self._chunk([ChatChunkChoice(delta=delta, finish_reason=finish_reason)], rdserve=stats)
+        choice = ChatChunkChoice(delta=delta, finish_reason=finish_reason,
+                                 logprobs=None if logprobs is None else chat_logprobs(logprobs))
+        chunk = self._chunk([choice], rdserve=stats)
+        if prompt_logprobs is not None:  # vLLM sends them on the first chunk, beside the choices
+            chunk.prompt_logprobs = prompt_logprobs_of(prompt_logprobs)
+        return chunk
 
     def usage_chunk(self, usage: Usage) -> BaseModel:
         return self._chunk([], usage=usage)
@@ -82,18 +134,55 @@ class ChatFormat:
 
 @dataclass
 class CompletionFormat:
+    """Text completions. ``echo``: the prompt text, put before the output (``echo: true``), its
+    tokens' logprobs before the output's when logprobs are asked for. ``show_prompt_logprobs``:
+    the request asked for vLLM's ``prompt_logprobs`` field."""
+
     model: str
+    echo: str | None = None
+    show_prompt_logprobs: bool = False
     id: str = field(default_factory=lambda: f"cmpl-{uuid.uuid4().hex}")
     created: int = field(default_factory=lambda: int(time.time()))
+    _offset: int = 0  # characters of text sent so far (text_offset of the next token)
+    _echoed: bool = False
 
-    def response(self, text: str, finish_reason: str | None, usage: Usage, stats: RdserveStats) -> BaseModel:
-        return self._make([CompletionChoice(text=text, finish_reason=finish_reason)], usage=usage, rdserve=stats)
+    def response(self, text: str, finish_reason: str | None, usage: Usage, stats: RdserveStats,
+                 logprobs=None, prompt_logprobs=None) -> BaseModel:
+        return self._make([self._choice(text, finish_reason, logprobs, prompt_logprobs)], usage=usage, rdserve=stats)
 
     def opening_chunks(self) -> list[BaseModel]:
         return []
 
-    def chunk(self, text: str, finish_reason: str | None = None, stats: RdserveStats | None = None) -> BaseModel:
-        return self._make([CompletionChoice(text=text, finish_reason=finish_reason)], rdserve=stats)
+    def chunk(self, text: str, finish_reason: str | None = None, stats: RdserveStats | None = None,
+              logprobs=None, prompt_logprobs=None) -> BaseModel:
+        return self._make([self._choice(text, finish_reason, logprobs, prompt_logprobs)], rdserve=stats)
+
+    def _choice(self, text: str, finish_reason: str | None, logprobs, prompt_logprobs) -> CompletionChoice:
+        entries = logprobs
+        if self.echo is not None and not self._echoed:  # the first chunk (or the response) carries the prompt
+            self._echoed = True
+            text = self.echo + text
+            if logprobs is not None and prompt_logprobs is not None:
+                entries = list(prompt_logprobs) + list(logprobs)
+        choice = CompletionChoice(text=text, finish_reason=finish_reason,
+                                  logprobs=None if entries is None else self._logprobs(entries))
+        if self.show_prompt_logprobs and prompt_logprobs is not None:
+            choice.prompt_logprobs = prompt_logprobs_of(prompt_logprobs)
+        return choice
+
+    def _logprobs(self, entries) -> CompletionLogprobs:
+        tokens, values, tops, offsets = [], [], [], []
+        for e in entries:
+            tokens.append(e.token)
+            offsets.append(self._offset)
+            self._offset += len(e.token)
+            if e.logprob is None:  # the prompt's first token: nothing predicts it
+                values.append(None)
+                tops.append(None)
+                continue
+            values.append(_lp(e.logprob))
+            tops.append({t.token: _lp(t.logprob) for t in e.top})
+        return CompletionLogprobs(tokens=tokens, token_logprobs=values, top_logprobs=tops, text_offset=offsets)
 
     def usage_chunk(self, usage: Usage) -> BaseModel:
         return self._make([], usage=usage)

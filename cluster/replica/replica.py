@@ -24,7 +24,7 @@ from cluster.replica.build import build_engine
 from cluster.ingress.messages import EngineRequest, Failed, Started
 from cluster.observability.recorder import ReplicaMetrics
 from cluster.replica.placement import placement_gpu_ids, uses_gpu_placement
-from cluster.ingress.protocol import RequestError, check_prompt_chars, fit_kv_cache, resolve_max_tokens
+from cluster.ingress.protocol import RequestError, check_prompt_chars, check_token_ids, fit_kv_cache, resolve_max_tokens
 from cluster.replica.stats import TtftWindow, engine_stats
 from cluster.replica.spec_mode import choose_mode
 from workers.async_engine import AsyncEngine, EngineFailure
@@ -150,6 +150,7 @@ class EngineReplica:
             else:
                 prompt_ids = await self.async_engine.call(self.engine.encode_prompt, req.prompt)
             max_tokens = self._budget(req, len(prompt_ids), prompt_field)
+            check_token_ids(replace(req.sampling, max_tokens=max_tokens), self.engine.config.vocab_size)
         except RequestError as err:
             yield Failed(400, err.message, err.param)
             return

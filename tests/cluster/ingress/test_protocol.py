@@ -61,8 +61,11 @@ def test_text_parts_are_joined_for_the_chat_template():
         ({"prompt": "a", "max_tokens": 0}, "max_tokens"),
         ({"prompt": "a", "rdserve": {"mode": "fast"}}, "rdserve"),
         ({"prompt": "a", "max_tokens": "5"}, "max_tokens"),
-        ({"prompt": "a", "echo": True}, "echo"),
-        ({"prompt": "a", "logit_bias": {"42": 5}}, "logit_bias"),
+        ({"prompt": "a", "top_logprobs": 1}, "top_logprobs"),
+        ({"prompt": "a", "logit_bias": {"42": 101}}, "logit_bias"),
+        ({"prompt": "a", "logit_bias": {"-1": 1}}, "logit_bias"),
+        ({"prompt": "a", "stop_token_ids": [-1]}, "stop_token_ids"),
+        ({"prompt": "a", "prompt_logprobs": 21}, "prompt_logprobs"),
     ],
 )
 def test_invalid_requests_name_the_field(kwargs, field):
@@ -131,10 +134,14 @@ CHAT = {"messages": [{"role": "user", "content": "a"}]}
         (CompletionRequest, {"prompt": "a", "n": 2}, "n", "n: only n=1 is supported"),
         (CompletionRequest, {"prompt": ["a", "b"]}, "prompt", "prompt: only a single prompt string is supported"),
         (CompletionRequest, {"prompt": None}, "prompt", "prompt: must be a string or a list of one string"),
-        (CompletionRequest, {"prompt": "a", "echo": True}, "echo",
+        (ChatCompletionRequest, {**CHAT, "echo": True}, "echo",
          "echo: not supported by this server (accepted only as null or false)"),
-        (CompletionRequest, {"prompt": "a", "logprobs": 0}, "logprobs",
-         "logprobs: not supported by this server (accepted only as null)"),
+        (CompletionRequest, {"prompt": "a", "top_logprobs": 0}, "top_logprobs",
+         "top_logprobs: not supported by this server (accepted only as null)"),
+        (ChatCompletionRequest, {**CHAT, "logprobs": False, "top_logprobs": 3}, "top_logprobs",
+         "top_logprobs: only allowed when logprobs is true"),
+        (CompletionRequest, {"prompt": "a", "logit_bias": {"7": -100.5}}, "logit_bias",
+         "logit_bias: bias for token 7 is -100.5; biases must lie in [-100, 100]"),
         (CompletionRequest, {"prompt": "a", "stream_options": {"include_usage": True}}, "stream_options",
          "stream_options: only allowed when stream is true"),
         (ChatCompletionRequest, {**CHAT, "stream": False, "stream_options": {}}, "stream_options",
@@ -159,8 +166,7 @@ def test_stop_within_the_limits_and_streaming_options_are_accepted():
 VLLM_FIELDS = {
     "structured_outputs": {"json": {"type": "object"}}, "guided_json": {"type": "object"}, "guided_regex": "[0-9]+",
     "guided_choice": ["yes", "no"], "guided_grammar": "root ::= \"a\"", "guided_decoding_backend": "xgrammar",
-    "guided_whitespace_pattern": " ", "prompt_logprobs": 1, "repetition_penalty": 1.2, "min_tokens": 5,
-    "stop_token_ids": [2], "include_stop_str_in_output": True, "min_p": 0.1, "use_beam_search": True,
+    "guided_whitespace_pattern": " ", "include_stop_str_in_output": True, "min_p": 0.1, "use_beam_search": True,
     "length_penalty": 0.5, "bad_words": ["x"], "allowed_token_ids": [1, 2], "skip_special_tokens": False,
     "add_generation_prompt": False, "continue_final_message": True, "chat_template": "{{ messages }}",
     "chat_template_kwargs": {"enable_thinking": True}, "modalities": ["audio"],
@@ -174,6 +180,26 @@ def test_fields_that_change_a_request_are_refused_not_ignored(model, base, field
     err = rejection(model, {**base, field: VLLM_FIELDS[field]})
     assert err.param == field and err.message.startswith(f"{field}: not supported by this server (accepted only as")
     model.model_validate({**base, field: None})  # null: the field is not used
+
+
+def test_logprobs_penalties_and_vllm_sampling_fields_are_honoured():
+    """Each field reaches the engine's sampling parameters (null means off)."""
+    chat = ChatCompletionRequest.model_validate({
+        **CHAT, "logprobs": True, "top_logprobs": 4, "presence_penalty": 0.5, "frequency_penalty": -1,
+        "logit_bias": {"17": -100, "3": 2.5}, "repetition_penalty": 1.3, "min_tokens": 2, "stop_token_ids": [7, 9],
+        "prompt_logprobs": 1}).sampling_params()
+    assert (chat.logprobs, chat.prompt_logprobs, chat.presence_penalty, chat.frequency_penalty) == (4, 1, 0.5, -1.0)
+    assert chat.logit_bias == ((17, -100.0), (3, 2.5)) and chat.stop_token_ids == (7, 9)
+    assert (chat.repetition_penalty, chat.min_tokens) == (1.3, 2)
+    assert ChatCompletionRequest.model_validate({**CHAT, "logprobs": True}).sampling_params().logprobs == 0
+    assert ChatCompletionRequest.model_validate({**CHAT, "logprobs": False}).sampling_params().logprobs is None
+    completion = CompletionRequest.model_validate({"prompt": "a", "logprobs": 2, "echo": True}).sampling_params()
+    assert (completion.logprobs, completion.prompt_logprobs) == (2, 2)  # echo: the prompt's logprobs too
+    assert CompletionRequest.model_validate({"prompt": "a", "echo": True}).sampling_params().prompt_logprobs is None
+    nulls = CompletionRequest.model_validate({"prompt": "a", **{f: None for f in (
+        "presence_penalty", "frequency_penalty", "logit_bias", "repetition_penalty", "min_tokens", "stop_token_ids",
+        "logprobs", "echo", "prompt_logprobs")}}).sampling_params()
+    assert not nulls.has_processors and nulls.logprobs is None and nulls.prompt_logprobs is None
 
 
 def test_vllm_fields_are_accepted_with_their_off_values():
