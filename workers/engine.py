@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -36,6 +37,7 @@ from workers.sequence import Sequence
 from workers.speculation.options import SpeculationOptions
 from workers.speculation.policy import SelectedPolicy
 from workers.stopping import OutputStream
+from workers.structured.errors import GrammarError
 from workers.thread_policy import ThreadPolicy
 
 MODES = ("spec", "plain")
@@ -105,6 +107,8 @@ class Engine:
         if tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(tokenizer.eos_token_id)
         self.token_text = TokenText(tokenizer)
+        self._grammars = None  # workers.structured.compiler.GrammarCompiler, built at first use
+        self._grammars_lock = threading.Lock()
 
     @property
     def forced_shape(self) -> tuple[int, int] | None:
@@ -132,6 +136,25 @@ class Engine:
     def encode_chat(self, messages: list[dict]) -> list[int]:
         return apply_chat_template(self.tokenizer, messages)
 
+    def compile_grammar(self, spec):
+        """The compiled grammar of a :class:`workers.structured.spec.GrammarSpec` (cached by spec; the
+        compiler, ~0.3 s, is built at the first call). Thread-safe: servers compile off the engine thread.
+
+        Raises:
+            GrammarError: the grammar cannot be compiled, or the grammar engine (xgrammar) is not
+                installed (a ``ValueError``).
+        """
+        with self._grammars_lock:
+            if self._grammars is None:
+                try:
+                    from workers.structured.compiler import GrammarCompiler
+                except ImportError as err:
+                    raise GrammarError("structured outputs need the xgrammar package: "
+                                       "pip install 'rdserve[structured]'") from err
+                self._grammars = GrammarCompiler(self.tokenizer, self.config.vocab_size,
+                                                 stop_token_ids=sorted(self.eos_token_ids))
+        return self._grammars.compile(spec)
+
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams, mode: str,
                     force_draft: bool = False) -> None:
         """Queue a request. ``force_draft`` (with ``mode="spec"``): draft every step a tree fits,
@@ -139,8 +162,8 @@ class Engine:
 
         Raises:
             ValueError: empty prompt, prompt that leaves no room in ``max_seq_len``, unknown mode,
-                ``mode="spec"`` without a drafter, a request id in use, or a request the KV cache
-                could never hold.
+                ``mode="spec"`` without a drafter, a request id in use, a request the KV cache
+                could never hold, or a grammar that does not compile (``GrammarError``).
         """
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -157,7 +180,12 @@ class Engine:
                        force_draft=force_draft and mode == "spec")
         seed = None if params.greedy else params.seed if params.seed is not None else secrets.randbits(64)
         stop_ids = (frozenset() if params.ignore_eos else frozenset(self.eos_token_ids)) | frozenset(params.stop_token_ids)
-        seq.runner_state = RequestState(params, seed, stop_ids=stop_ids)
+        grammar = None
+        if params.grammar is not None:
+            from workers.structured.matcher import RequestGrammar
+
+            grammar = RequestGrammar(self.compile_grammar(params.grammar))
+        seq.runner_state = RequestState(params, seed, stop_ids=stop_ids, grammar=grammar)
         seq.stream = OutputStream(self.tokenizer, params, self.eos_token_ids)
         if params.prompt_logprobs is not None:  # the first token's entry has no logprob: nothing predicts it
             seq.prompt_logprobs = [TokenLogprob(prompt_ids[0], *self.token_text(prompt_ids[0]), None, 0)] \

@@ -72,6 +72,8 @@ class RequestState:
     stop_ids: token ids that end the request (EOS unless ``ignore_eos``, and ``stop_token_ids``):
         forbidden before ``params.min_tokens`` (:mod:`workers.logits_processing`).
     prompt_seen: ``[V] bool`` tokens of the prompt, for ``repetition_penalty`` (built at first use).
+    grammar: the request's grammar state (:class:`workers.structured.matcher.RequestGrammar`) for
+        structured output, advanced along every step's emitted tokens; None without one.
     """
 
     params: SamplingParams
@@ -79,6 +81,7 @@ class RequestState:
     hidden: torch.Tensor | None = None
     stop_ids: frozenset[int] = frozenset()
     prompt_seen: torch.Tensor | None = None
+    grammar: object | None = None
 
 
 @dataclass
@@ -152,6 +155,8 @@ class ModelRunner:
             state.hidden = hidden[last]
             cursor += 1
             seq.output_token_ids.append(token)
+            if state.grammar is not None:
+                state.grammar.advance([token])
             results.append(StepResult(seq, [token], 0, False, token_logits=self._kept(row_logits, state),
                                       prompt_logits=prompt_logits, prompt_start=start + 1))
         for row, row_start in zip(rows, row_starts):
@@ -178,6 +183,8 @@ class ModelRunner:
             state.hidden = hidden[row_start + path[-1]]
             seq.num_computed_tokens = L + len(path)
             seq.output_token_ids.extend(drafted + [bonus])
+            if state.grammar is not None:  # the matcher moves along the accepted path only
+                state.grammar.advance(drafted + [bonus])
             depth = 0 if row.tree is None else int(row.tree.depths[-1])
             kept = self._kept(node_logits[path], state)  # row path[k] chose the k-th emitted token
             results.append(StepResult(seq, drafted + [bonus], len(drafted), True, depth, token_logits=kept))
@@ -323,10 +330,16 @@ class ModelRunner:
             return logits
         if params.repetition_penalty != 1.0 and state.prompt_seen is None:
             state.prompt_seen = prompt_presence(seq.prompt_token_ids, logits.shape[-1])
+        allowed = None
+        if state.grammar is not None:  # each node: what the grammar allows after its own path
+            allowed = state.grammar.allowed()[None] if tree is None else \
+                state.grammar.tree_allowed(tree.tokens.tolist(), tree.parents.tolist())
+            allowed = allowed.to(logits.device)
         if tree is None:
-            return process_logits(logits, params, seq.output_token_ids, state.prompt_seen, stop_ids=state.stop_ids)
+            return process_logits(logits, params, seq.output_token_ids, state.prompt_seen, stop_ids=state.stop_ids,
+                                  allowed=allowed)
         return process_logits(logits, params, seq.output_token_ids, state.prompt_seen, tree.depths,
-                              tree.tokens[1:], tree.mask[:, 1:], state.stop_ids)
+                              tree.tokens[1:], tree.mask[:, 1:], state.stop_ids, allowed)
 
     @staticmethod
     def _kept(rows: torch.Tensor, state: RequestState) -> torch.Tensor | None:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from workers.structured.spec import GrammarSpec
+
 MAX_TOP_LOGPROBS = 20
 """Most alternatives per token a request may ask for (OpenAI's ``top_logprobs`` limit)."""
 
@@ -34,6 +36,10 @@ class SamplingParams:
     ``echo`` with ``logprobs``, vLLM's ``prompt_logprobs``). Values are the base model's raw
     log-softmax (vLLM's default ``logprobs_mode: raw_logprobs``: before the processors above and
     before temperature).
+
+    ``grammar``: structured output (:mod:`workers.structured`): at every position only the tokens
+    the grammar allows keep their logits (applied after the processors above), EOS only where the
+    output is complete.
     """
 
     max_tokens: int = 256
@@ -51,6 +57,7 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    grammar: GrammarSpec | None = None
 
     @property
     def greedy(self) -> bool:
@@ -60,4 +67,4 @@ class SamplingParams:
     def has_processors(self) -> bool:
         """Whether any logits processor changes the logits (then argmax and sampling read processed logits)."""
         return bool(self.logit_bias or self.repetition_penalty != 1.0 or self.frequency_penalty
-                    or self.presence_penalty or self.min_tokens)
+                    or self.presence_penalty or self.min_tokens or self.grammar)

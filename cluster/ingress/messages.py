@@ -19,7 +19,8 @@ class EngineRequest:
     Exactly one of ``prompt`` (raw text) and ``messages`` (rendered with the chat template) is set.
     ``max_tokens`` None means the default budget (see ``cluster.ingress.protocol.resolve_max_tokens``); the
     resolved budget replaces ``sampling.max_tokens``. ``max_tokens_field`` names the request field in
-    error messages. ``mode``: the requested mode (``rdserve.mode``) or None.
+    error messages. ``mode``: the requested mode (``rdserve.mode``) or None. ``grammar_field``: the
+    request field that set ``sampling.grammar`` (named in a 400 when it does not compile), or None.
     """
 
     prompt: str | None
@@ -28,6 +29,7 @@ class EngineRequest:
     max_tokens: int | None
     max_tokens_field: str
     mode: str | None
+    grammar_field: str | None = None
 
 
 @dataclass(frozen=True)

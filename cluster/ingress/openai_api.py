@@ -234,6 +234,7 @@ class OpenAIIngress:
         req = EngineRequest(
             prompt=None, messages=[m.as_template_input() for m in body.messages], sampling=body.sampling_params(),
             max_tokens=body.requested_max_tokens, max_tokens_field=body.max_tokens_field, mode=body.requested_mode,
+            grammar_field=body.grammar_field,
         )
         return await self._respond(req, body, ChatFormat(self.model_name))
 
@@ -243,6 +244,7 @@ class OpenAIIngress:
         req = EngineRequest(
             prompt=body.prompt_text, messages=None, sampling=body.sampling_params(),
             max_tokens=body.requested_max_tokens, max_tokens_field=body.max_tokens_field, mode=body.requested_mode,
+            grammar_field=body.grammar_field,
         )
         fmt = CompletionFormat(self.model_name, echo=body.prompt_text if body.echo else None,
                                show_prompt_logprobs=body.prompt_logprobs is not None)

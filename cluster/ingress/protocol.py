@@ -24,10 +24,13 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, create_model,
+                      field_validator, model_validator)
 from pydantic_core import PydanticCustomError
 
 from workers.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
+from workers.structured.errors import GrammarError
+from workers.structured.spec import GrammarSpec
 
 DEFAULT_MAX_TOKENS = 1024
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -132,12 +135,11 @@ def fit_kv_cache(max_tokens: int, prompt_tokens: int, kv_tokens: int, *, default
 UNSUPPORTED: dict[str, tuple] = {
     "best_of": (None, 1), "suffix": (None, ""),
     "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
-    "function_call": (None, "none"), "response_format": (None, {"type": "text"}),
+    "function_call": (None, "none"),
     "modalities": (None, ["text"]), "audio": (None,),
     # vLLM's extensions, which clients of vLLM-compatible servers send: each changes what the request
     # means, so it is honoured or refused, never ignored
-    "structured_outputs": (None,), "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
-    "guided_grammar": (None,), "guided_decoding_backend": (None,), "guided_whitespace_pattern": (None,),
+    "guided_decoding_backend": (None, "xgrammar", "auto"), "guided_whitespace_pattern": (None,),
     "include_stop_str_in_output": (None, False), "min_p": (None, 0, 0.0),
     "use_beam_search": (None, False), "length_penalty": (None, 1, 1.0), "bad_words": (None, []),
     "allowed_token_ids": (None,), "logits_processors": (None,), "truncate_prompt_tokens": (None,),
@@ -170,6 +172,36 @@ def _valid_unicode(text: str) -> str:
 
 
 Text = Annotated[str, AfterValidator(_valid_unicode)]
+
+
+class JsonSchemaFormat(BaseModel):
+    """OpenAI's ``response_format.json_schema``. ``strict`` is accepted either way: rdserve always
+    generates only the properties the schema lists (what ``strict: true`` asks for; valid either way)."""
+
+    model_config = ConfigDict(strict=True, populate_by_name=True)
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=lambda: {"type": "object"}, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``: ``text`` (no constraint), ``json_object`` or ``json_schema``."""
+
+    model_config = ConfigDict(strict=True)
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's ``structured_outputs``: exactly one of its constraints."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
 
 
 class RdserveOptions(BaseModel):
@@ -213,6 +245,61 @@ class _GenerationRequest(_UnsupportedFields):
     min_tokens: int | None = Field(None, ge=0)
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs and guided_* (at most one)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    _grammar: tuple[str, GrammarSpec] | None = PrivateAttr(None)
+
+    @model_validator(mode="after")
+    def _one_grammar(self):
+        """Builds the request's grammar (``self.grammar``, ``self.grammar_field``).
+
+        Raises:
+            ValidationError: more than one structured-output field, or a value that is not a
+                grammar (bad JSON text, an empty regex or choice), reported on that field.
+        """
+        found = [(name, spec) for name, spec in self._grammar_specs() if spec is not None]
+        if len(found) > 1:
+            raise _field_error(found[1][0], f"only one structured-output field may be given; {found[0][0]} is too")
+        self._grammar = found[0] if found else None
+        return self
+
+    def _grammar_specs(self):
+        """``(field, GrammarSpec | None)`` for each structured-output field that is set."""
+        fmt = self.response_format
+        if fmt is not None and fmt.type != "text":
+            if fmt.type == "json_schema" and fmt.json_schema is None:
+                raise _field_error("response_format", "type json_schema needs json_schema.schema")
+            yield "response_format", _spec("response_format", GrammarSpec.json_object) if fmt.type == "json_object" \
+                else _spec("response_format", GrammarSpec.json_schema, fmt.json_schema.schema_)
+        so = self.structured_outputs
+        if so is not None:
+            given = [(k, v) for k, v in (("json", so.json_), ("regex", so.regex), ("choice", so.choice),
+                                         ("grammar", so.grammar)) if v is not None]
+            if so.json_object:
+                given.append(("json_object", None))
+            if len(given) != 1:
+                raise _field_error("structured_outputs", f"give exactly one of json, regex, choice, grammar, json_object "
+                                                         f"(got {', '.join(k for k, _ in given) or 'none'})")
+            kind, value = given[0]
+            make = {"json": GrammarSpec.json_schema, "regex": GrammarSpec.regex, "choice": GrammarSpec.choice,
+                    "grammar": GrammarSpec.grammar}.get(kind)
+            yield "structured_outputs", _spec("structured_outputs", make, value) if make \
+                else _spec("structured_outputs", GrammarSpec.json_object)
+        for name, make in (("guided_json", GrammarSpec.json_schema), ("guided_regex", GrammarSpec.regex),
+                           ("guided_choice", GrammarSpec.choice), ("guided_grammar", GrammarSpec.grammar)):
+            value = getattr(self, name)
+            if value is not None:
+                yield name, _spec(name, make, value)
+
+    @property
+    def grammar_field(self) -> str | None:
+        """The request field that set the grammar (for error messages), or None."""
+        return self._grammar[0] if self._grammar else None
 
     @field_validator(*_ANY_UNSUPPORTED)
     @classmethod
@@ -314,7 +401,22 @@ class _GenerationRequest(_UnsupportedFields):
             logit_bias=tuple((int(k), float(v)) for k, v in (self.logit_bias or {}).items()),
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             frequency_penalty=self.frequency_penalty or 0.0, presence_penalty=self.presence_penalty or 0.0,
-            min_tokens=self.min_tokens or 0, logprobs=self.num_logprobs, prompt_logprobs=self.num_prompt_logprobs)
+            min_tokens=self.min_tokens or 0, logprobs=self.num_logprobs, prompt_logprobs=self.num_prompt_logprobs,
+            grammar=self._grammar[1] if self._grammar else None)
+
+
+def _field_error(field: str, message: str) -> ValidationError:
+    """A validation error on ``field`` (the ingress's 400 names it)."""
+    return ValidationError.from_exception_data("request", [{
+        "type": PydanticCustomError(field, message), "loc": (field,), "input": None}])
+
+
+def _spec(field: str, make, *args) -> GrammarSpec:
+    """``make(*args)``, a ``GrammarError`` reported on ``field``."""
+    try:
+        return make(*args)
+    except GrammarError as err:
+        raise _field_error(field, str(err)) from None
 
 
 def check_token_ids(params: SamplingParams, vocab_size: int) -> None:

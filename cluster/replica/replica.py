@@ -8,6 +8,7 @@ away aborts its request, which frees its KV blocks at the next iteration.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
@@ -30,6 +31,7 @@ from cluster.replica.spec_mode import choose_mode
 from workers.async_engine import AsyncEngine, EngineFailure
 from workers.outputs import GenerationDelta
 from workers.speculation.policy import policy_text
+from workers.structured.errors import GrammarError
 
 log = logging.getLogger("ray.serve")
 
@@ -140,6 +142,17 @@ class EngineReplica:
                             defaulted=req.max_tokens is None, prompt_field=prompt_field,
                             max_tokens_field=req.max_tokens_field)
 
+    async def _compile_grammar(self, req: EngineRequest) -> None:
+        """Raises:
+            RequestError: the grammar does not compile, or no grammar engine is installed (names the
+                request field that set it).
+        """
+        field = req.grammar_field or "response_format"
+        try:
+            await asyncio.to_thread(self.engine.compile_grammar, req.sampling.grammar)
+        except GrammarError as err:
+            raise RequestError(field, f"{field}: {err}") from None
+
     async def _generate(self, req: EngineRequest) -> AsyncIterator[Started | Failed | GenerationDelta]:
         prompt_field = "messages" if req.messages is not None else "prompt"
         try:
@@ -151,6 +164,8 @@ class EngineReplica:
                 prompt_ids = await self.async_engine.call(self.engine.encode_prompt, req.prompt)
             max_tokens = self._budget(req, len(prompt_ids), prompt_field)
             check_token_ids(replace(req.sampling, max_tokens=max_tokens), self.engine.config.vocab_size)
+            if req.sampling.grammar is not None:  # compiled off the engine thread (cached by spec)
+                await self._compile_grammar(req)
         except RequestError as err:
             yield Failed(400, err.message, err.param)
             return

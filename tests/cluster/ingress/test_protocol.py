@@ -164,8 +164,7 @@ def test_stop_within_the_limits_and_streaming_options_are_accepted():
 
 # What a client of a vLLM-compatible server sends, each changing what the request means.
 VLLM_FIELDS = {
-    "structured_outputs": {"json": {"type": "object"}}, "guided_json": {"type": "object"}, "guided_regex": "[0-9]+",
-    "guided_choice": ["yes", "no"], "guided_grammar": "root ::= \"a\"", "guided_decoding_backend": "xgrammar",
+    "guided_decoding_backend": "outlines",
     "guided_whitespace_pattern": " ", "include_stop_str_in_output": True, "min_p": 0.1, "use_beam_search": True,
     "length_penalty": 0.5, "bad_words": ["x"], "allowed_token_ids": [1, 2], "skip_special_tokens": False,
     "add_generation_prompt": False, "continue_final_message": True, "chat_template": "{{ messages }}",
@@ -200,6 +199,43 @@ def test_logprobs_penalties_and_vllm_sampling_fields_are_honoured():
         "presence_penalty", "frequency_penalty", "logit_bias", "repetition_penalty", "min_tokens", "stop_token_ids",
         "logprobs", "echo", "prompt_logprobs")}}).sampling_params()
     assert not nulls.has_processors and nulls.logprobs is None and nulls.prompt_logprobs is None
+
+
+@pytest.mark.parametrize("body, field, kind", [
+    ({"response_format": {"type": "json_object"}}, "response_format", "json_object"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"},
+                                                                "strict": True}}}, "response_format", "json_schema"),
+    ({"guided_json": {"type": "object"}}, "guided_json", "json_schema"),
+    ({"guided_json": '{"type": "object"}'}, "guided_json", "json_schema"),
+    ({"guided_regex": "[0-9]+"}, "guided_regex", "regex"),
+    ({"guided_choice": ["yes", "no"]}, "guided_choice", "choice"),
+    ({"guided_grammar": 'root ::= "a"'}, "guided_grammar", "grammar"),
+    ({"structured_outputs": {"json": {"type": "object"}}}, "structured_outputs", "json_schema"),
+    ({"structured_outputs": {"regex": "a+"}}, "structured_outputs", "regex"),
+    ({"structured_outputs": {"json_object": True}}, "structured_outputs", "json_object"),
+    ({"guided_regex": "a", "guided_decoding_backend": "xgrammar"}, "guided_regex", "regex"),
+])
+def test_structured_output_fields_set_the_grammar(body, field, kind):
+    for model, base in ((ChatCompletionRequest, CHAT), (CompletionRequest, {"prompt": "a"})):
+        req = model.model_validate({**base, **body})
+        assert req.grammar_field == field and req.sampling_params().grammar.kind == kind
+
+
+@pytest.mark.parametrize("body, param, message", [
+    ({"response_format": {"type": "json_schema"}}, "response_format",
+     "response_format: type json_schema needs json_schema.schema"),
+    ({"response_format": {"type": "xml"}}, "response_format.type", None),
+    ({"guided_json": '{"type": '}, "guided_json", None),
+    ({"guided_choice": []}, "guided_choice", "guided_choice: choice must list at least one string"),
+    ({"guided_json": {}, "guided_regex": "a"}, "guided_regex",
+     "guided_regex: only one structured-output field may be given; guided_json is too"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs",
+     "structured_outputs: give exactly one of json, regex, choice, grammar, json_object (got regex, choice)"),
+    ({"structured_outputs": {"xml": "a"}}, "structured_outputs.xml", None),
+])
+def test_bad_structured_output_fields_are_named(body, param, message):
+    err = rejection(ChatCompletionRequest, {**CHAT, **body})
+    assert err.param == param and (message is None or err.message == message), err.message
 
 
 def test_vllm_fields_are_accepted_with_their_off_values():
