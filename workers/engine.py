@@ -133,8 +133,14 @@ class Engine:
     def encode_prompt(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
-        return apply_chat_template(self.tokenizer, messages)
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """Token ids of ``messages`` (and ``tools``, OpenAI's list) rendered with the chat template
+        (:mod:`workers.models.tool_prompt` for tools and tool messages).
+
+        Raises:
+            ValueError: no chat template, the template rejects the messages, or a malformed tool call.
+        """
+        return apply_chat_template(self.tokenizer, messages, tools)
 
     def compile_grammar(self, spec):
         """The compiled grammar of a :class:`workers.structured.spec.GrammarSpec` (cached by spec; the
@@ -163,7 +169,8 @@ class Engine:
         Raises:
             ValueError: empty prompt, prompt that leaves no room in ``max_seq_len``, unknown mode,
                 ``mode="spec"`` without a drafter, a request id in use, a request the KV cache
-                could never hold, or a grammar that does not compile (``GrammarError``).
+                could never hold, a grammar that does not compile (``GrammarError``), or a grammar
+                with ``ignore_eos``.
         """
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -181,6 +188,8 @@ class Engine:
         seed = None if params.greedy else params.seed if params.seed is not None else secrets.randbits(64)
         stop_ids = (frozenset() if params.ignore_eos else frozenset(self.eos_token_ids)) | frozenset(params.stop_token_ids)
         grammar = None
+        if params.grammar is not None and params.ignore_eos:
+            raise ValueError("ignore_eos cannot be combined with a structured output: it ends where its grammar does")
         if params.grammar is not None:
             from workers.structured.matcher import RequestGrammar
 

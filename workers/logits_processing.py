@@ -54,8 +54,9 @@ def process_logits(logits: torch.Tensor, params: SamplingParams, output_ids: lis
     node's depth (None: all 0): row i predicts output token number ``len(output_ids) + depths[i]``.
     path_tokens, path_mask: see :func:`node_counts`. prompt_seen: ``[V] bool``, tokens in the prompt
     (for ``repetition_penalty``; None when it is off). stop_ids: EOS and ``stop_token_ids``, forbidden
-    (-inf) before ``params.min_tokens`` output tokens. allowed: ``[m, V] bool``, the grammar's tokens
-    per row (:mod:`workers.structured`), or None.
+    (-inf) before ``params.min_tokens`` output tokens, except in a row where the grammar allows
+    nothing else (its output is complete: the grammar's end wins, so a row always keeps a token).
+    allowed: ``[m, V] bool``, the grammar's tokens per row (:mod:`workers.structured`), or None.
 
     Returns a new ``[m, V] float32`` tensor, or ``logits`` itself when nothing applies. A row may end
     with every entry -inf only if ``allowed`` forbids everything, which a grammar never does.
@@ -71,9 +72,14 @@ def process_logits(logits: torch.Tensor, params: SamplingParams, output_ids: lis
     if params.min_tokens and stop_ids:
         index = len(output_ids) + (depths if depths is not None else torch.zeros(m, dtype=torch.long))
         early = index < params.min_tokens
+        ids = torch.tensor(sorted(stop_ids), dtype=torch.long)
+        ids = ids[ids < vocab]
+        if allowed is not None and early.any():  # a complete grammar's end wins over min_tokens: a row
+            others = allowed.clone()              # that may only stop keeps its stop tokens
+            others[:, ids] = False
+            early &= others.any(-1).to(early.device)
         if early.any():
-            ids = torch.tensor(sorted(stop_ids), dtype=torch.long)
-            out[early.nonzero(as_tuple=True)[0].unsqueeze(1), ids[ids < vocab].unsqueeze(0)] = float("-inf")
+            out[early.nonzero(as_tuple=True)[0].unsqueeze(1), ids.unsqueeze(0)] = float("-inf")
     if params.repetition_penalty != 1.0 or params.frequency_penalty or params.presence_penalty:
         counts = node_counts(output_ids, path_tokens, path_mask, vocab)
         if params.repetition_penalty != 1.0:

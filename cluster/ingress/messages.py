@@ -21,6 +21,7 @@ class EngineRequest:
     resolved budget replaces ``sampling.max_tokens``. ``max_tokens_field`` names the request field in
     error messages. ``mode``: the requested mode (``rdserve.mode``) or None. ``grammar_field``: the
     request field that set ``sampling.grammar`` (named in a 400 when it does not compile), or None.
+    ``tools``: OpenAI's function tools for the chat template (:mod:`workers.models.tool_prompt`), or None.
     """
 
     prompt: str | None
@@ -30,6 +31,7 @@ class EngineRequest:
     max_tokens_field: str
     mode: str | None
     grammar_field: str | None = None
+    tools: list[dict] | None = None
 
 
 @dataclass(frozen=True)

@@ -49,6 +49,7 @@ from cluster.ingress.limits import RETRY_AFTER_MIN_S, Interrupted, RequestGuard
 from cluster.ingress.pools import PoolLoad, TrackedStream
 from cluster.ingress.messages import EngineRequest, Failed, Started
 from cluster.ingress.responses import ChatFormat, CompletionFormat, sse, stats_of, usage_of
+from cluster.ingress.tools import ToolCallStream
 from cluster.ingress.serve_state import replica_counts
 
 log = logging.getLogger("ray.serve")
@@ -234,9 +235,9 @@ class OpenAIIngress:
         req = EngineRequest(
             prompt=None, messages=[m.as_template_input() for m in body.messages], sampling=body.sampling_params(),
             max_tokens=body.requested_max_tokens, max_tokens_field=body.max_tokens_field, mode=body.requested_mode,
-            grammar_field=body.grammar_field,
+            grammar_field=body.grammar_field, tools=body.tool_dicts,
         )
-        return await self._respond(req, body, ChatFormat(self.model_name))
+        return await self._respond(req, body, ChatFormat(self.model_name, ToolCallStream() if body.uses_tools else None))
 
     @api.post("/v1/completions")
     async def completions(self, body: CompletionRequest):

@@ -149,8 +149,10 @@ UNSUPPORTED: dict[str, tuple] = {
 }
 
 
-# vLLM's chat ``echo`` (repeat the last message) is not implemented; completions' ``echo`` is.
-CHAT_UNSUPPORTED: dict[str, tuple] = {**UNSUPPORTED, "echo": (None, False)}
+# vLLM's chat ``echo`` (repeat the last message) is not implemented; completions' ``echo`` is. Tools are
+# chat's (completions have none).
+CHAT_UNSUPPORTED: dict[str, tuple] = {**{k: v for k, v in UNSUPPORTED.items() if k not in ("tools", "tool_choice")},
+                                      "echo": (None, False)}
 # /v1/completions has no ``top_logprobs``: its ``logprobs`` is the count of alternatives.
 COMPLETION_UNSUPPORTED: dict[str, tuple] = {**UNSUPPORTED, "top_logprobs": (None,)}
 
@@ -265,6 +267,9 @@ class _GenerationRequest(_UnsupportedFields):
         found = [(name, spec) for name, spec in self._grammar_specs() if spec is not None]
         if len(found) > 1:
             raise _field_error(found[1][0], f"only one structured-output field may be given; {found[0][0]} is too")
+        if found and self.ignore_eos:
+            raise _field_error("ignore_eos", f"cannot be combined with {found[0][0]}: a structured output ends "
+                                             "where its grammar does")
         self._grammar = found[0] if found else None
         return self
 
@@ -441,39 +446,166 @@ class TextPart(BaseModel):
     text: Text
 
 
-class ChatMessage(BaseModel):
-    """``content``: a string or a list of text parts; a string is kept as one text part."""
+class FunctionCall(BaseModel):
+    """A tool call's function: ``arguments`` is JSON text (OpenAI's form)."""
 
     model_config = ConfigDict(strict=True)
-    role: Literal["system", "developer", "user", "assistant"]
-    content: list[TextPart]
+    name: str
+    arguments: str
 
-    @field_validator("content", mode="before", json_schema_input_type=str | list[TextPart])
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(strict=True)
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(BaseModel):
+    """``content``: a string or a list of text parts; a string is kept as one text part. An
+    assistant message may carry ``tool_calls`` (then ``content`` may be null); a ``tool`` message is
+    a call's result, naming it by ``tool_call_id``."""
+
+    model_config = ConfigDict(strict=True)
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: list[TextPart] | None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
+
+    @field_validator("content", mode="before", json_schema_input_type=str | list[TextPart] | None)
     @classmethod
-    def _text_or_parts(cls, content):
-        """A string is one text part.
+    def _text_or_parts(cls, content, info):
+        """A string is one text part; null only for an assistant message (with ``tool_calls``).
 
         Raises:
             ValueError: ``content`` is neither a string nor a list, or a string that is not valid Unicode.
         """
         if isinstance(content, str):
             return [{"type": "text", "text": _valid_unicode(content)}]
+        if content is None and info.data.get("role") == "assistant":
+            return None
         if not isinstance(content, list):
             raise ValueError("must be a string or a list of text parts")
         return content
 
+    @model_validator(mode="after")
+    def _tool_fields(self) -> ChatMessage:
+        """Raises:
+            ValidationError: an assistant message with neither content nor tool calls, a tool message
+                without ``tool_call_id``, or ``tool_calls`` on another role.
+        """
+        if self.content is None and not self.tool_calls:
+            raise _field_error("content", "an assistant message needs content or tool_calls")
+        if self.role == "tool" and not self.tool_call_id:
+            raise _field_error("tool_call_id", "a tool message needs the tool_call_id of the call it answers")
+        if self.tool_calls and self.role != "assistant":
+            raise _field_error("tool_calls", "only assistant messages carry tool_calls")
+        return self
+
     def as_template_input(self) -> dict:
-        """``{"role", "content"}`` with text parts joined, as chat templates expect."""
-        text = "".join(p.text for p in self.content)
-        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+        """``{"role", "content"}`` with text parts joined, as chat templates expect, plus
+        ``tool_calls`` / ``tool_call_id`` / ``name`` where set (:mod:`workers.models.tool_prompt`)."""
+        text = "".join(p.text for p in self.content or [])
+        out = {"role": "system" if self.role == "developer" else self.role, "content": text}
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name:
+            out["name"] = self.name
+        return out
+
+
+class FunctionDefinition(BaseModel):
+    """A function tool: ``parameters`` is its arguments' JSON schema (an object schema)."""
+
+    model_config = ConfigDict(strict=True)
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(strict=True)
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(strict=True)
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(strict=True)
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_GenerationRequest):
+    """``tools`` / ``tool_choice`` / ``parallel_tool_calls`` as OpenAI defines them
+    (:mod:`cluster.ingress.tools`): with ``tool_choice`` other than ``none`` the tools are in the
+    prompt and a grammar constrains tool calls (``auto``: only inside ``<tool_call>`` blocks;
+    ``required`` / a named function: the reply is tool calls)."""
+
     unsupported: ClassVar[dict[str, tuple]] = CHAT_UNSUPPORTED
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+
+    @model_validator(mode="after")
+    def _tool_choice_names_a_tool(self) -> ChatCompletionRequest:
+        """Builds the tool-call grammar (it joins the request's grammar: ``grammar_field`` "tools").
+
+        Raises:
+            ValidationError: ``tool_choice`` required or named without ``tools``, a named function
+                not among them, duplicate tool names, or tools with another structured-output field.
+        """
+        from cluster.ingress.tools import tool_grammar
+
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) != len(names):
+            raise _field_error("tools", "tool names must be unique")
+        choice = self.tool_choice
+        if choice not in (None, "none", "auto") and not names:
+            raise _field_error("tool_choice", "needs tools")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise _field_error("tool_choice", f"function {choice.function.name!r} is not among the tools "
+                                              f"({', '.join(names)})")
+        if self.uses_tools:
+            if self.ignore_eos:
+                raise _field_error("ignore_eos", "cannot be combined with tools: a reply with tool calls ends where "
+                                                 "its grammar does")
+            if self._grammar is not None:
+                raise _field_error("tools", f"tools cannot be combined with {self._grammar[0]}; "
+                                            "use tool_choice none for a structured answer")
+            self._grammar = ("tools", tool_grammar([t.model_dump() for t in self.tools], self.effective_tool_choice,
+                                                   self.parallel_tool_calls is not False))
+        return self
+
+    @property
+    def effective_tool_choice(self) -> str | dict:
+        """``none``, ``auto``, ``required`` or ``{"type": "function", "function": {"name"}}``; OpenAI's
+        default is ``auto`` with tools, ``none`` without."""
+        choice = self.tool_choice
+        if choice is None:
+            return "auto" if self.tools else "none"
+        return choice.model_dump() if isinstance(choice, NamedToolChoice) else choice
+
+    @property
+    def uses_tools(self) -> bool:
+        """Tools are in the prompt and their calls are parsed (``tool_choice`` other than ``none``)."""
+        return bool(self.tools) and self.effective_tool_choice != "none"
+
+    @property
+    def tool_dicts(self) -> list[dict] | None:
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.uses_tools else None
 
     @model_validator(mode="after")
     def _top_needs_logprobs(self) -> ChatCompletionRequest:
@@ -614,7 +746,8 @@ class PromptLogprob(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -637,7 +770,7 @@ class ChatCompletionResponse(BaseModel):
 
 class ChatChunkChoice(BaseModel):
     index: int = 0
-    delta: dict[str, str]
+    delta: dict[str, Any]
     finish_reason: str | None = None
     logprobs: ChatLogprobs | None = None
 

@@ -32,11 +32,14 @@ from cluster.ingress.protocol import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionResponse,
+    FunctionCall,
     PromptLogprob,
     RdserveStats,
+    ToolCall,
     TopLogprobEntry,
     Usage,
 )
+from cluster.ingress.tools import ToolCallStream, parse_tool_calls
 from cluster.ingress.messages import Started
 
 
@@ -69,6 +72,10 @@ def prompt_logprobs_of(entries) -> list[dict[str, PromptLogprob] | None]:
     return out
 
 
+def _call(call: dict) -> ToolCall:
+    return ToolCall(id=call["id"], type="function", function=FunctionCall(**call["function"]))
+
+
 def usage_of(last) -> Usage:
     """Usage from the final engine delta (its counters are cumulative)."""
     return Usage(prompt_tokens=last.prompt_tokens, completion_tokens=last.completion_tokens,
@@ -98,15 +105,23 @@ def sse(payload: BaseModel | dict) -> str:
 @dataclass
 class ChatFormat:
     """Chat completions. ``logprobs`` / ``prompt_logprobs`` arguments: the engine's entries, or None
-    when the request did not ask for them."""
+    when the request did not ask for them. ``tools``: the request's tool calls are parsed out of the
+    text (:mod:`cluster.ingress.tools`); ``finish_reason`` is then ``tool_calls`` when the reply made
+    any and ended by itself."""
 
     model: str
+    tools: ToolCallStream | None = None
     id: str = field(default_factory=lambda: f"chatcmpl-{uuid.uuid4().hex}")
     created: int = field(default_factory=lambda: int(time.time()))
 
     def response(self, text: str, finish_reason: str | None, usage: Usage, stats: RdserveStats,
                  logprobs=None, prompt_logprobs=None) -> BaseModel:
-        choice = ChatChoice(message=AssistantMessage(content=text), finish_reason=finish_reason,
+        message = AssistantMessage(content=text)
+        if self.tools is not None:
+            content, calls = parse_tool_calls(text)
+            message = AssistantMessage(content=content, tool_calls=[_call(c) for c in calls] or None)
+            finish_reason = "tool_calls" if calls and finish_reason == "stop" else finish_reason
+        choice = ChatChoice(message=message, finish_reason=finish_reason,
                             logprobs=None if logprobs is None else chat_logprobs(logprobs))
         return ChatCompletionResponse(id=self.id, created=self.created, model=self.model, choices=[choice],
                                       usage=usage, rdserve=stats,
@@ -118,6 +133,16 @@ class ChatFormat:
     def chunk(self, text: str, finish_reason: str | None = None, stats: RdserveStats | None = None,
               logprobs=None, prompt_logprobs=None) -> BaseModel:
         delta = {"content": text} if text else {}
+        if self.tools is not None:
+            text, calls = self.tools.feed(text)
+            if finish_reason is not None:
+                rest, _ = self.tools.finish()
+                text += rest
+                finish_reason = "tool_calls" if self.tools.calls and finish_reason == "stop" else finish_reason
+            delta = {"content": text} if text else {}
+            if calls:
+                delta["tool_calls"] = [{"index": c["index"], "id": c["id"], "type": "function",
+                                        "function": c["function"]} for c in calls]
         choice = ChatChunkChoice(delta=delta, finish_reason=finish_reason,
                                  logprobs=None if logprobs is None else chat_logprobs(logprobs))
         chunk = self._chunk([choice], rdserve=stats)

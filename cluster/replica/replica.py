@@ -159,7 +159,7 @@ class EngineReplica:
             text = req.prompt if req.messages is None else "".join(str(m.get("content", "")) for m in req.messages)
             check_prompt_chars(len(text), self.engine.max_seq_len, prompt_field)
             if req.messages is not None:
-                prompt_ids = await self.async_engine.call(self.engine.encode_chat, req.messages)
+                prompt_ids = await self.async_engine.call(self.engine.encode_chat, req.messages, req.tools)
             else:
                 prompt_ids = await self.async_engine.call(self.engine.encode_prompt, req.prompt)
             max_tokens = self._budget(req, len(prompt_ids), prompt_field)

@@ -61,6 +61,16 @@ def test_each_tree_node_is_processed_with_its_own_path():
             torch.testing.assert_close(got[i], want, msg=f"case {case} node {i}")
 
 
+def test_a_complete_grammar_ends_the_output_despite_min_tokens():
+    """Rows where the grammar allows only a stop token keep it under min_tokens (else every logit
+    would be -inf); rows where it allows more lose their stop tokens."""
+    logits = torch.randn(2, 6)
+    allowed = torch.tensor([[False, False, True, False, False, False], [True, True, True, False, False, False]])
+    out = process_logits(logits, SamplingParams(min_tokens=10), [1], None, stop_ids={2}, allowed=allowed)
+    assert out[0].argmax() == 2 and torch.isfinite(out[0, 2])
+    assert out[1, 2] == float("-inf") and torch.isfinite(out[1, :2]).all() and (out[:, 3:] == float("-inf")).all()
+
+
 def test_without_processors_the_logits_are_untouched():
     logits = torch.randn(3, 10)
     assert process_logits(logits, SamplingParams(), [1, 2], None) is logits

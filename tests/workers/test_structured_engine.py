@@ -86,6 +86,18 @@ def test_constrained_spec_equals_plain_and_matches_the_grammar(engines, weights,
     assert accepted >= 10, f"only {accepted} drafted tokens accepted: the comparison is weak"
 
 
+@pytest.mark.parametrize("mode", ["plain", "spec"])
+def test_min_tokens_does_not_outlast_a_complete_grammar(engines, mode):
+    """A choice completes in a few tokens; min_tokens beyond that must not forbid the only allowed
+    token (EOS): the request ends "stop" with a valid choice. ignore_eos with a grammar is refused."""
+    engine = engines("tied_gqa2")
+    tokens, text, reason, _ = generate(engine, [5, 6, 7], SamplingParams(max_tokens=30, min_tokens=20,
+                                                                          grammar=SPECS["choice"]), mode)
+    assert reason == "stop" and matches("choice", text)
+    with pytest.raises(ValueError, match="ignore_eos"):
+        engine.add_request("x", [5], SamplingParams(grammar=SPECS["choice"], ignore_eos=True), mode)
+
+
 def test_a_grammar_that_does_not_compile_is_a_value_error(engines):
     engine = engines("tied_gqa2")
     with pytest.raises(GrammarError, match="cannot compile regex"):

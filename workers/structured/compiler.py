@@ -110,8 +110,10 @@ class GrammarCompiler:
                 return c.compile_regex(spec.value)
             if spec.kind == "choice":
                 return c.compile_grammar(choice_ebnf(spec.choices))
+            if spec.kind == "structural_tag":
+                return c.compile_structural_tag(spec.value)
             return c.compile_grammar(spec.value) if spec.is_ebnf else c.compile_lark(spec.value)
-        except RuntimeError as e:
+        except (RuntimeError, ValueError) as e:  # InvalidStructuralTagError, InvalidJSONError, compile errors
             reason = _LIBRARY_LOCATION.sub("", str(e).strip())
             raise GrammarError(f"cannot compile {spec.kind}: {reason}") from None
 

@@ -13,8 +13,8 @@ from typing import Any, Literal, Sequence
 
 from workers.structured.errors import GrammarError
 
-GrammarKind = Literal["json_object", "json_schema", "regex", "choice", "grammar"]
-KINDS: tuple[str, ...] = ("json_object", "json_schema", "regex", "choice", "grammar")
+GrammarKind = Literal["json_object", "json_schema", "regex", "choice", "grammar", "structural_tag"]
+KINDS: tuple[str, ...] = ("json_object", "json_schema", "regex", "choice", "grammar", "structural_tag")
 
 
 @dataclass(frozen=True)
@@ -28,7 +28,9 @@ class GrammarSpec:
       - ``regex``: the pattern (ECMAScript-like syntax, as in OpenAI/vLLM ``guided_regex``);
       - ``choice``: a JSON list of the allowed strings (``'["yes","no"]'``);
       - ``grammar``: EBNF (GBNF, rules ``name ::= ...``, root rule ``root``) or Lark (root rule
-        ``start``); text containing ``::=`` is read as EBNF, anything else as Lark.
+        ``start``); text containing ``::=`` is read as EBNF, anything else as Lark;
+      - ``structural_tag``: xgrammar's structural tag as canonical JSON text (free text with tagged
+        sections whose content is constrained, e.g. tool calls ``<tool_call>{json}</tool_call>``).
 
     Build one with the constructors (``json_schema``, ``regex``, ...), which check the value;
     the grammar itself is checked when compiled.
@@ -49,7 +51,7 @@ class GrammarSpec:
             raise GrammarError("json_object takes no value")
         if self.kind in ("regex", "grammar") and not self.value:
             raise GrammarError(f"{self.kind} must not be empty")
-        if self.kind == "json_schema":
+        if self.kind in ("json_schema", "structural_tag"):
             _parse_schema(self.value)
         if self.kind == "choice":
             _parse_choices(self.value)
@@ -92,6 +94,11 @@ class GrammarSpec:
     def grammar(cls, text: str) -> GrammarSpec:
         """Text derived from an EBNF (GBNF) or Lark grammar; see the class docstring."""
         return cls("grammar", text)
+
+    @classmethod
+    def structural_tag(cls, tag: dict[str, Any]) -> GrammarSpec:
+        """xgrammar's structural tag (``{"type": "structural_tag", "format": {...}}``); checked when compiled."""
+        return cls("structural_tag", canonical_json(tag))
 
     @property
     def choices(self) -> tuple[str, ...]:

@@ -232,6 +232,9 @@ def test_structured_output_fields_set_the_grammar(body, field, kind):
     ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs",
      "structured_outputs: give exactly one of json, regex, choice, grammar, json_object (got regex, choice)"),
     ({"structured_outputs": {"xml": "a"}}, "structured_outputs.xml", None),
+    ({"guided_choice": ["a"], "ignore_eos": True}, "ignore_eos",
+     "ignore_eos: cannot be combined with guided_choice: a structured output ends where its grammar does"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "ignore_eos": True}, "ignore_eos", None),
 ])
 def test_bad_structured_output_fields_are_named(body, param, message):
     err = rejection(ChatCompletionRequest, {**CHAT, **body})
