@@ -13,22 +13,16 @@ About a minute on 2 cores, most of it loading the model.
 
 import json
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Literal
 
 import jsonschema
 import pytest
 from openai import OpenAI
 from pydantic import BaseModel
-from ray import serve
 
-from cluster.config import load_config
-from cluster.deploy.app import deploy
 
 pytestmark = pytest.mark.slow
 
-LOCAL = Path(__file__).resolve().parents[3] / "configs" / "local.yaml"
-APP, PREFIX = "smollm_structured", "/smollm-structured"
 NUM_REQUESTS = 16
 CONCURRENCY = 4
 MAX_TOKENS = 160
@@ -63,24 +57,9 @@ class City(BaseModel):
     population_millions: float | None
 
 
-@pytest.fixture(scope="module")
-def smollm(base_url):
-    """The default model as app ``APP`` on the session's Serve; yields (openai client, model name);
-    deletes the app at module end."""
-    from workers.models.pull import pull_default
-
-    pull_default()  # `rdserve model pull`: a no-op once cached
-    cfg = load_config(LOCAL)
-    deploy(cfg, name=APP, route_prefix=PREFIX)
-    try:
-        yield OpenAI(base_url=f"{base_url}{PREFIX}/v1", api_key="unused", timeout=120, max_retries=0), cfg.model.name
-    finally:
-        serve.delete(APP)
-
-
 @pytest.mark.parametrize("mode", ["spec", "plain"])
 def test_parse_with_a_pydantic_response_format(smollm, mode):
-    client, model = smollm
+    client, model, _ = smollm
     completion = client.chat.completions.parse(
         model=model, response_format=City, max_tokens=128, temperature=0,
         messages=[{"role": "user", "content": "Describe the city of Paris as JSON: name, country, continent, "
@@ -116,7 +95,7 @@ def assert_all_valid(completions: list) -> None:
 
 
 def test_nullable_optional_fields_and_an_enum_greedy_spec_equals_plain(smollm):
-    client, model = smollm
+    client, model, _ = smollm
     spec, plain = events(client, model, "spec", 0.0), events(client, model, "plain", 0.0)
     assert_all_valid(spec)
     assert [c.choices[0].message.content for c in spec] == [c.choices[0].message.content for c in plain]
@@ -126,7 +105,7 @@ def test_nullable_optional_fields_and_an_enum_greedy_spec_equals_plain(smollm):
 
 
 def test_nullable_optional_fields_and_an_enum_sampled_seeded_spec(smollm):
-    client, model = smollm
+    client, model, _ = smollm
     sampled = events(client, model, "spec", 0.7)
     assert_all_valid(sampled)
     assert {c.model_extra["rdserve"]["mode"] for c in sampled} == {"spec"}
