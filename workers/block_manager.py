@@ -12,12 +12,22 @@ engine then compacts the accepted path to positions ``L + 1 ..``. Blocks wholly 
 length stay in the block table after the step: the sequence reuses them as it grows, and
 :meth:`BlockManager.free` returns them with the rest.
 
+Automatic prefix caching (``enable_prefix_caching``; vLLM's scheme): a full block of prompt tokens,
+once computed, is registered under its chain hash (:mod:`workers.prefix_hash`). A new request takes
+the longest chain of registered blocks of its prompt (:meth:`BlockManager.match_prefix`) and prefills
+only the rest. Blocks have holders (reference counts): a block is shared read-only by every request
+that matched it and is never written while held, because only whole blocks of prompt positions are
+registered and a request writes only at positions past the blocks it matched. A block no one holds
+stays registered (and counts as free) until an allocation needs it: then the least recently released
+one is evicted. Draft trees and generated tokens never enter a registered block: those blocks hold
+prompt positions only, computed in the context phase.
+
 This module holds no tensors except the slot indices :meth:`BlockManager.slots` returns.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 import torch
@@ -29,23 +39,33 @@ MiB = 1 << 20
 
 
 class BlockManager:
-    """Owns the free list and which sequence holds each block.
+    """Owns the free list, the registered (cached) blocks and which sequences hold each block.
 
-    Raises ``ValueError`` on a double free or when freeing a block another sequence holds, and
+    Raises ``ValueError`` on a double free or when freeing a block the sequence does not hold, and
     ``RuntimeError`` when :meth:`allocate` is called without enough free blocks.
     """
 
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks}, {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free: deque[int] = deque(range(num_blocks))
-        self._owner: list[str | None] = [None] * num_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        self._free: deque[int] = deque(range(num_blocks))  # no holder, not registered
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # no holder, registered; least recent first
+        self._holders: list[list[str]] = [[] for _ in range(num_blocks)]
+        self._hash_of: list[bytes | None] = [None] * num_blocks
+        self._block_of: dict[bytes, int] = {}
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        """Blocks an allocation may take: never used, or registered and held by no one (evictable)."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Registered blocks (prefix cache), held or not."""
+        return len(self._block_of)
 
     @property
     def trash_slot(self) -> int:
@@ -62,7 +82,7 @@ class BlockManager:
         return max(0, -(-upto_slots // self.block_size) - len(seq.block_table))
 
     def can_allocate(self, seq: Sequence, upto_slots: int) -> bool:
-        return self.blocks_needed(seq, upto_slots) <= len(self._free)
+        return self.blocks_needed(seq, upto_slots) <= self.num_free_blocks
 
     def allocate(self, seq: Sequence, upto_slots: int) -> None:
         """Grow ``seq.block_table`` so that slots ``[0, upto_slots)`` exist; never shrinks it.
@@ -71,33 +91,83 @@ class BlockManager:
             RuntimeError: not enough free blocks (check :meth:`can_allocate` first).
         """
         needed = self.blocks_needed(seq, upto_slots)
-        if needed > len(self._free):
+        if needed > self.num_free_blocks:
             raise RuntimeError(
-                f"request {seq.request_id}: needs {needed} KV blocks, {len(self._free)} free"
+                f"request {seq.request_id}: needs {needed} KV blocks, {self.num_free_blocks} free"
             )
         for _ in range(needed):
-            block = self._free.popleft()
-            self._owner[block] = seq.request_id
+            if self._free:
+                block = self._free.popleft()
+            else:  # evict the least recently released cached block
+                block, _ = self._evictable.popitem(last=False)
+                del self._block_of[self._hash_of[block]]
+                self._hash_of[block] = None
+            self._holders[block].append(seq.request_id)
             seq.block_table.append(block)
 
     def free(self, seq: Sequence) -> None:
-        """Return every block of ``seq`` to the free list and empty its block table.
+        """Release every block of ``seq`` and empty its block table: a block no one else holds goes
+        to the free list, or, when registered, stays cached (evictable, most recent last).
 
         Raises:
-            ValueError: a block in the table is already free or held by another sequence.
+            ValueError: ``seq`` does not hold a block of its table (already free, or another's).
         """
         for block in seq.block_table:
-            if self._owner[block] != seq.request_id:
-                held = "free" if self._owner[block] is None else f"held by {self._owner[block]}"
+            if seq.request_id not in self._holders[block]:
+                holders = self._holders[block]
+                held = "free" if not holders else f"held by {', '.join(holders)}"
                 raise ValueError(f"request {seq.request_id}: cannot free KV block {block}: it is {held}")
         for block in seq.block_table:
-            self._owner[block] = None
-            self._free.append(block)
+            holders = self._holders[block]
+            holders.remove(seq.request_id)
+            if not holders:
+                if self._hash_of[block] is None:
+                    self._free.append(block)
+                else:
+                    self._evictable[block] = None
         seq.block_table = []
 
+    def match_prefix(self, seq: Sequence, hashes: list[bytes], max_tokens: int) -> int:
+        """Take the registered blocks of the longest chain of ``hashes`` (``seq``'s prompt blocks,
+        :func:`workers.prefix_hash.block_hashes`) covering at most ``max_tokens`` tokens; returns the
+        tokens they hold (0 with caching off). ``seq`` must hold no blocks yet.
+
+        Raises:
+            ValueError: ``seq`` already holds blocks.
+        """
+        if seq.block_table:
+            raise ValueError(f"request {seq.request_id}: match_prefix on a sequence holding blocks")
+        if not self.enable_prefix_caching:
+            return 0
+        for h in hashes[: max(0, max_tokens) // self.block_size]:
+            block = self._block_of.get(h)
+            if block is None:
+                break
+            self._evictable.pop(block, None)
+            self._holders[block].append(seq.request_id)
+            seq.block_table.append(block)
+        return len(seq.block_table) * self.block_size
+
+    def register(self, seq: Sequence, hashes: list[bytes], num_tokens: int) -> None:
+        """Register ``seq``'s blocks whose ``num_tokens`` leading tokens are computed and whose hash
+        is known (``hashes``: its prompt's full blocks). A block whose content another block already
+        holds stays unregistered (it is freed as usual)."""
+        if not self.enable_prefix_caching:
+            return
+        for i in range(min(len(hashes), num_tokens // self.block_size, len(seq.block_table))):
+            block, h = seq.block_table[i], hashes[i]
+            if self._hash_of[block] is None and h not in self._block_of:
+                self._hash_of[block] = h
+                self._block_of[h] = block
+
     def owner(self, block: int) -> str | None:
-        """Request id holding ``block``, or None when it is free."""
-        return self._owner[block]
+        """A request id holding ``block`` (the first to take it), or None when no one does."""
+        holders = self._holders[block]
+        return holders[0] if holders else None
+
+    def holders(self, block: int) -> list[str]:
+        """Request ids holding ``block``."""
+        return list(self._holders[block])
 
     def slot(self, seq: Sequence, position: int) -> int:
         """Cache slot of ``seq``'s token at ``position``.

@@ -30,6 +30,7 @@ from workers.logprobs import TokenText, compute_logprobs
 from workers.model_runner import ModelRunner, RequestState
 from workers.models.tokenizer import apply_chat_template
 from workers.outputs import GenerationDelta, TokenLogprob
+from workers.prefix_hash import block_hashes
 from workers.redrafter.prompt_lookup import PromptLookup
 from workers.sampling_params import SamplingParams
 from workers.scheduler import Scheduler, SchedulerConfig
@@ -66,6 +67,8 @@ class EngineSnapshot:
     failure: why the executor is unusable (a lost tensor-parallel rank), None while it is healthy.
     spec_stats: the speculation policy's ``stats()``: ``shape`` (``"BxD"`` or None) and ``tau``
         (tokens per drafted step, or None), plus what else the policy reports.
+    cached_blocks: blocks registered in the prefix cache (held or evictable; evictable ones also
+        count in ``free_blocks``).
     """
 
     running: int
@@ -75,6 +78,7 @@ class EngineSnapshot:
     kv_size: KVCacheSize
     failure: BaseException | None
     spec_stats: dict
+    cached_blocks: int = 0
 
     @property
     def kv_usage(self) -> float:
@@ -196,6 +200,8 @@ class Engine:
             grammar = RequestGrammar(self.compile_grammar(params.grammar))
         seq.runner_state = RequestState(params, seed, stop_ids=stop_ids, grammar=grammar)
         seq.stream = OutputStream(self.tokenizer, params, self.eos_token_ids)
+        if self.blocks.enable_prefix_caching:
+            seq.block_hashes = block_hashes(seq.prompt_token_ids, self.blocks.block_size, params.cache_salt)
         if params.prompt_logprobs is not None:  # the first token's entry has no logprob: nothing predicts it
             seq.prompt_logprobs = [TokenLogprob(prompt_ids[0], *self.token_text(prompt_ids[0]), None, 0)] \
                 + [None] * (n_prompt - 1)
@@ -222,7 +228,7 @@ class Engine:
         counters only (each field is current, the set of them need not be from one instant)."""
         return EngineSnapshot(len(self.scheduler.running), len(self.scheduler.waiting),
                               self.blocks.num_free_blocks, self.blocks.num_blocks, self.kv_size,
-                              self.executor.failure, self.spec_policy.stats())
+                              self.executor.failure, self.spec_policy.stats(), self.blocks.num_cached_blocks)
 
     def drain_stats(self) -> EngineStatsDelta:
         """Counts since the last call and the state now (``self.stats`` must be set; engine thread only)."""
@@ -252,6 +258,11 @@ class Engine:
             torch.set_num_threads(threads)
             results = self.runner.run(plan.context, plan.generation, plan.spec_shape, limits)
             self.thread_policy.observe(rows, threads, time.perf_counter() - t0)
+        for seq, start, _ in plan.context:  # prompt blocks now computed join the prefix cache
+            if seq.block_hashes:
+                self.blocks.register(seq, seq.block_hashes, min(seq.num_computed_tokens, len(seq.prompt_token_ids)))
+            if stats and seq.num_preemptions == 0 and start == seq.cached_tokens:  # its first admission
+                stats.on_prefix_cache(len(seq.prompt_token_ids), seq.cached_tokens)
         deltas, finished = [], []
         for r in results:
             if r.prompt_logits is not None:
@@ -271,12 +282,13 @@ class Engine:
                 accepted = min(r.accepted_draft_tokens, len(stream.token_ids) - emitted)
                 seq.accepted_draft_tokens += accepted
                 if stats:
-                    stats.on_generation_step(r.draft_depth, accepted)
+                    stats.on_generation_step(r.draft_depth, accepted, r.grammar_rejected)
             if stats:
                 stats.on_tokens(seq.request_id, len(seq.prompt_token_ids), emitted, len(stream.token_ids), out.finished)
             delta = GenerationDelta(
                 out.text, out.token_ids, out.finished, out.finish_reason, len(seq.prompt_token_ids),
                 len(stream.token_ids), seq.num_steps, seq.accepted_draft_tokens, seq.request_id,
+                cached_tokens=seq.cached_tokens or 0,
             )
             params = seq.runner_state.params
             if params.logprobs is not None:  # the rows of the tokens kept: a stop cuts them where it cuts the text

@@ -109,7 +109,7 @@ def load_engine(model_path: str, drafter_path: str | None = None, options: Engin
     log.info("speculation policy: %s (compute path %s)", selected.source, name)
     kv_size = _size_cache(model.config, dtype, opts, max_seq_len, selected.policy, lookup, device)
     log.info("%s", kv_size)
-    blocks = BlockManager(kv_size.num_blocks, opts.tokens_per_block)
+    blocks = BlockManager(kv_size.num_blocks, opts.tokens_per_block, opts.enable_prefix_caching)
     executor = (executor_factory or LocalExecutor)(model, blocks.num_slots - 1)
     return Engine(model, tokenizer, drafter, executor, blocks, kv_size, selected, lookup, opts, spec, compute,
                   max_seq_len, threads)

@@ -45,7 +45,10 @@ class EngineStatsDelta:
     Counters (ints, >= 0): ``prompt_tokens`` (each request's prompt once, at its first token),
     ``generation_tokens``, ``generation_steps``, ``num_preemptions``, ``aborted`` (unfinished
     requests aborted), ``drafts``, ``draft_tokens``,
-    ``accepted_tokens``, ``accepted_per_pos`` (index = draft position). Samples: ``iterations``
+    ``accepted_tokens``, ``accepted_per_pos`` (index = draft position), ``grammar_rejected_tokens``
+    (draft tokens not accepted because a grammar forbade the next drafted token),
+    ``prefix_cache_queries`` / ``prefix_cache_hits`` (prompt tokens looked up in the prefix cache at
+    admission / found there; vLLM's counters). Samples: ``iterations``
     ``[(kind, seconds)]``, ``first_tokens`` (timings of requests that got their first token) and
     ``finished`` (timings of requests that finished, with ``decode_s``). State: ``num_running``,
     ``num_waiting`` (requests), ``kv_cache_usage`` (0-1, used blocks / blocks) and ``spec_shape``
@@ -61,6 +64,9 @@ class EngineStatsDelta:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)
+    grammar_rejected_tokens: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
     iterations: list[tuple[str, float]] = field(default_factory=list)
     first_tokens: list[RequestTiming] = field(default_factory=list)
     finished: list[RequestTiming] = field(default_factory=list)
@@ -101,9 +107,16 @@ class EngineStats:
             if times is not None and len(times) == 3:
                 d.finished.append(RequestTiming(times[1] - times[0], times[2] - times[1], now - times[2]))
 
-    def on_generation_step(self, draft_len: int, accepted: int) -> None:
+    def on_prefix_cache(self, queried: int, hit: int) -> None:
+        """A request's first admission looked ``queried`` prompt tokens up and found ``hit`` cached."""
+        self._delta.prefix_cache_queries += queried
+        self._delta.prefix_cache_hits += hit
+
+    def on_generation_step(self, draft_len: int, accepted: int, grammar_rejected: bool = False) -> None:
         """One request's generation step: ``draft_len`` the tree's depth (0 = plain step),
-        ``accepted`` the drafted tokens it emitted (``<= draft_len``)."""
+        ``accepted`` the drafted tokens it emitted (``<= draft_len``); ``grammar_rejected``: the
+        request's grammar, not the base model, forbade every drafted token after the accepted path,
+        so the ``draft_len - accepted`` rejected tokens count as grammar-rejected."""
         d = self._delta
         d.generation_steps += 1
         if draft_len <= 0:
@@ -111,6 +124,8 @@ class EngineStats:
         d.drafts += 1
         d.draft_tokens += draft_len
         d.accepted_tokens += accepted
+        if grammar_rejected:
+            d.grammar_rejected_tokens += draft_len - accepted
         if len(d.accepted_per_pos) < draft_len:
             d.accepted_per_pos.extend([0] * (draft_len - len(d.accepted_per_pos)))
         for pos in range(accepted):

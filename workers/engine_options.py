@@ -49,6 +49,10 @@ class EngineOptions(BaseModel):
     max_prefill_chunk: int | None = Field(512, ge=1, description="context tokens of one request per iteration "
                                           "(chunked prefill); null = the whole prompt")
     tokens_per_block: int = Field(16, ge=1, description="paged KV cache block size (tokens)")
+    enable_prefix_caching: bool = Field(True, description="automatic prefix caching (vLLM's name): full KV blocks "
+                                        "of prompts stay cached after their request and a new request with the same "
+                                        "prefix prefills only the rest (workers.block_manager); a request's "
+                                        "cache_salt limits sharing to requests with the same salt")
     num_kv_blocks: int | None = Field(None, ge=1, description="KV cache blocks; null = sized by kv_cache_fraction")
     kv_cache_fraction: float = Field(0.2, gt=0, le=1, description="share of the memory free after loading the "
                                      "weights that the KV cache takes (capped at what max_batch_size full-length "

@@ -46,6 +46,8 @@ class StepResult:
     accepted_draft_tokens: how many of ``tokens`` were drafted.
     generation_step: True for a generation-phase step (counts towards tokens per step).
     draft_depth: the draft tree's depth (its longest beam's drafted tokens); 0 for a plain step.
+    grammar_rejected: the request's grammar forbade every drafted child of the accepted path's last
+        node (the grammar, not the base model, ended acceptance).
     token_logits: ``[len(tokens), V]`` raw logits of the rows that chose ``tokens`` (row k predicts
         ``tokens[k]``), for requests that asked for logprobs; None otherwise.
     prompt_logits: ``[n, V]`` raw logits of a context chunk's rows whose next token is a prompt token
@@ -61,6 +63,7 @@ class StepResult:
     token_logits: torch.Tensor | None = None
     prompt_logits: torch.Tensor | None = None
     prompt_start: int = 0
+    grammar_rejected: bool = False
 
 
 @dataclass
@@ -163,10 +166,11 @@ class ModelRunner:
             seq, state = row.seq, row.seq.runner_state
             node_logits = logits[cursor : cursor + row.num_nodes]
             cursor += row.num_nodes
+            grammar_rows = []  # the grammar's allowed mask of this tree's nodes, if it has one
             if row.tree is None:
                 path, bonus = [0], self._choose(node_logits, state, seq)[0]
             else:
-                processed = self._processed(node_logits, state, seq, row.tree)
+                processed = self._processed(node_logits, state, seq, row.tree, grammar_rows)
                 if state.params.greedy:
                     path, bonus = accept_greedy(row.tree, processed.argmax(-1).tolist())
                 else:
@@ -187,7 +191,12 @@ class ModelRunner:
                 state.grammar.advance(drafted + [bonus])
             depth = 0 if row.tree is None else int(row.tree.depths[-1])
             kept = self._kept(node_logits[path], state)  # row path[k] chose the k-th emitted token
-            results.append(StepResult(seq, drafted + [bonus], len(drafted), True, depth, token_logits=kept))
+            forbidden = False
+            if row.tree is not None and grammar_rows and row.tree.children[path[-1]]:
+                allowed = grammar_rows[0][path[-1]]
+                forbidden = not any(bool(allowed[t]) for t in row.tree.tokens[row.tree.children[path[-1]]].tolist())
+            results.append(StepResult(seq, drafted + [bonus], len(drafted), True, depth, token_logits=kept,
+                                      grammar_rejected=forbidden))
         if copies_src:
             self.executor.copy_slots(torch.cat(copies_src).to(self.device), torch.cat(copies_dst).to(self.device))
         return results
@@ -259,7 +268,8 @@ class ModelRunner:
             groups.append(AttentionGroup(n_rows, 1, n, kv[None], mask[None, None], self._run_start(seq, start + n)))
             # rows whose next token is a prompt token, for prompt logprobs (the first computation only)
             n_logprob = 0
-            if seq.runner_state.params.prompt_logprobs is not None and not seq.output_token_ids:
+            state = seq.runner_state
+            if state is not None and state.params.prompt_logprobs is not None and not seq.output_token_ids:
                 n_logprob = max(0, min(start + n, len(seq.prompt_token_ids) - 1) - start)
             prompt_rows.append(n_logprob)
             logit_rows.extend(range(n_rows, n_rows + n_logprob))
@@ -322,9 +332,11 @@ class ModelRunner:
         return sample_keyed(adjusted_probs(logits, state.params), [keyed_uniform(state.seed, seq.num_tokens)])
 
     @staticmethod
-    def _processed(logits: torch.Tensor, state: RequestState, seq: Sequence, tree: PrefixTree | None) -> torch.Tensor:
+    def _processed(logits: torch.Tensor, state: RequestState, seq: Sequence, tree: PrefixTree | None,
+                   grammar_rows: list | None = None) -> torch.Tensor:
         """``logits`` (``[m, V]``: a tree's nodes, or one row) after the request's logits processors,
-        each row with its own path's history (:func:`workers.logits_processing.process_logits`)."""
+        each row with its own path's history (:func:`workers.logits_processing.process_logits`).
+        ``grammar_rows``, if given, receives the grammar's ``[m, V]`` allowed mask (when there is one)."""
         params = state.params
         if not params.has_processors:
             return logits
@@ -335,6 +347,8 @@ class ModelRunner:
             allowed = state.grammar.allowed()[None] if tree is None else \
                 state.grammar.tree_allowed(tree.tokens.tolist(), tree.parents.tolist())
             allowed = allowed.to(logits.device)
+            if grammar_rows is not None:
+                grammar_rows.append(allowed)
         if tree is None:
             return process_logits(logits, params, seq.output_token_ids, state.prompt_seen, stop_ids=state.stop_ids,
                                   allowed=allowed)

@@ -38,6 +38,8 @@ class GenerationDelta:
     context phase); ``accepted_draft_tokens`` counts drafted tokens the base model accepted and the
     request emitted.
 
+    ``cached_tokens``: prompt tokens taken from the prefix cache (OpenAI's
+    ``usage.prompt_tokens_details.cached_tokens``).
     ``logprobs``: one entry per token of ``token_ids`` when the request asked for logprobs (None
     otherwise). ``prompt_logprobs``: on the first delta of a request that asked for them, one entry
     per prompt token (the first with ``logprob`` None: nothing predicts it).
@@ -53,6 +55,7 @@ class GenerationDelta:
     accepted_draft_tokens: int
     request_id: str = ""
     logprobs: list[TokenLogprob] | None = None
+    cached_tokens: int = 0
     prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property

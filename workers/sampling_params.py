@@ -40,6 +40,9 @@ class SamplingParams:
     ``grammar``: structured output (:mod:`workers.structured`): at every position only the tokens
     the grammar allows keep their logits (applied after the processors above), EOS only where the
     output is complete.
+
+    ``cache_salt`` (vLLM's request field, carried here): the prefix cache shares blocks only between
+    requests with the same salt (None is a salt of its own), for tenants that must not share.
     """
 
     max_tokens: int = 256
@@ -49,6 +52,7 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
     stop_token_ids: tuple[int, ...] = ()
     logit_bias: tuple[tuple[int, float], ...] = ()
     repetition_penalty: float = 1.0
@@ -58,6 +62,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     grammar: GrammarSpec | None = None
+    cache_salt: str | None = None
 
     @property
     def greedy(self) -> bool:

@@ -11,7 +11,10 @@ Each iteration (:meth:`Scheduler.schedule`) plans, under ``max_batch_size`` sequ
 2. Context phase, FCFS: running sequences with a partly computed context, then waiting sequences
    (new or preempted; none in an iteration that preempted, as in vLLM), in chunks of at most
    ``max_prefill_chunk`` tokens (chunked prefill, as in vLLM and Sarathi-Serve) until a budget or
-   the free blocks run out; admission stops at the first waiting sequence that does not fit.
+   the free blocks run out; admission stops at the first waiting sequence that does not fit. A
+   waiting sequence first takes its prompt's longest chain of cached blocks (prefix caching,
+   :meth:`BlockManager.match_prefix`) and prefills from there, always at least its last context token
+   (the drafter needs that position's hidden state).
 
 Preemption by recompute (vLLM): when a running sequence cannot get even the KV blocks of a plain
 step (or of one context token), the most recently arrived running sequence is preempted: its blocks
@@ -215,15 +218,23 @@ class Scheduler:
         tokens_left = self.config.max_num_tokens - plan.num_tokens
         if tokens_left < 1 or plan.num_seqs >= self.config.max_batch_size:
             return False
+        bm = self.block_manager
+        matched = seq.status is SequenceStatus.WAITING and not seq.block_table and seq.block_hashes
+        if matched:  # prefix cache: its longest cached chain, at least one context token left to compute
+            seq.num_computed_tokens = bm.match_prefix(seq, seq.block_hashes, seq.num_context_tokens - 1)
         start = seq.num_computed_tokens
         if seq.status is SequenceStatus.RUNNING and not self._reserve(seq, start + 1, plan):
             self._preempt(seq, plan)
             return False
-        bm = self.block_manager
         reachable = (len(seq.block_table) + bm.num_free_blocks) * bm.block_size
         num_tokens = min(seq.num_context_tokens - start, tokens_left, chunk_cap, reachable - start)
         if num_tokens < 1:
+            if matched:  # not admitted after all: it holds nothing while it waits
+                bm.free(seq)
+                seq.num_computed_tokens = 0
             return False
+        if seq.cached_tokens is None:
+            seq.cached_tokens = start
         bm.allocate(seq, start + num_tokens)
         plan.context.append((seq, start, num_tokens))
         return True

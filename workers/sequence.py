@@ -81,6 +81,10 @@ class Sequence:
         here): the scheduler passes it to ``policy.drafts`` and the engine to ``policy.observe``.
     lookup: the prompt-lookup beam; the model runner updates it and the scheduler reserves tree
         slots for ``lookup.length``.
+    block_hashes: chain hashes of the prompt's full blocks (:mod:`workers.prefix_hash`), for the
+        prefix cache; set by the engine when it queues the request (empty with caching off).
+    cached_tokens: prompt tokens taken from the prefix cache at the request's first admission
+        (OpenAI's ``usage.prompt_tokens_details.cached_tokens``); None before it was admitted.
     prompt_logprobs: for a request that asked for them, one ``TokenLogprob`` per prompt token (None
         until computed; the first has no logprob), filled chunk by chunk by the engine and sent with
         its first output; None for other requests.
@@ -104,6 +108,8 @@ class Sequence:
     spec_state: object | None = None
     lookup: LookupState = field(default_factory=LookupState)
     prompt_logprobs: list | None = None
+    block_hashes: list[bytes] = field(default_factory=list)
+    cached_tokens: int | None = None
 
     def __post_init__(self):
         if not self.prompt_token_ids:

@@ -85,7 +85,9 @@ class OutputStream:
     """Output tokens and streamed text of one sequence, cut exactly at its stop condition.
 
     ``eos_token_ids`` end the sequence unless ``params.ignore_eos``; ``params.stop_token_ids`` end it
-    always (vLLM), their text not part of the output, as EOS's is not. The final text equals
+    always (vLLM), their text not part of the output, as EOS's is not. With
+    ``params.include_stop_str_in_output`` (vLLM) a stop string ends the text instead of being cut
+    (the longest stop string starting where the earliest match starts). The final text equals
     ``tokenizer.decode(output_ids_without_eos, skip_special_tokens=True)`` cut right before the
     earliest stop string, and equals the concatenation of all delta texts.
     """
@@ -151,6 +153,8 @@ class OutputStream:
         text = self._detokenizer.complete_text
         stop_at = self._find_stop(text, seen)
         if stop_at is not None:
+            if self._params.include_stop_str_in_output:  # vLLM: the stop string ends the text
+                stop_at += next(len(s) for s in sorted(self._stops, key=len, reverse=True) if text.startswith(s, stop_at))
             self._finish("stop", text[:stop_at])
         elif len(self._token_ids) >= self._params.max_tokens:
             self._finish("length", self._detokenizer.full_text)

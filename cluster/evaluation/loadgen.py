@@ -50,6 +50,7 @@ class RequestRecord:
     finish_reason: str | None = None
     usage: dict | None = None
     rdserve: dict | None = None
+    logprobs: list[float] = field(default_factory=list)  # per output token, when the spec asked for them
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,7 @@ class LoadSpec:
     grace_s: float = 30.0
     seed: int = 0
     request_timeout_s: float = 300.0
+    logprobs: bool = False
 
     def __post_init__(self):
         if (self.concurrency is None) == (self.rate is None):
@@ -120,7 +122,8 @@ async def run_load_async(base_url: str, prompts: Sequence[PromptRow], spec: Load
             rec = RequestRecord(i, i % len(prompts), row.category, time.perf_counter() - t0)
             records.append(rec)
             body = row.body(spec.model, spec.max_tokens, temperature=spec.temperature, mode=spec.mode,
-                            seed=spec.seed + i if spec.temperature > 0 else None, stream=True)
+                            seed=spec.seed + i if spec.temperature > 0 else None, stream=True,
+                            logprobs=spec.logprobs)
             await _timed_request(client, row.path, body, rec, count_tokens)
             bar.update()
 
@@ -192,6 +195,11 @@ async def _timed_request(client: httpx.AsyncClient, path: str, body: dict, rec: 
                         last = now
                         parts.append(text)
                     rec.finish_reason = choice.get("finish_reason") or rec.finish_reason
+                    lp = choice.get("logprobs") or {}
+                    if lp.get("content") is not None:  # chat
+                        rec.logprobs.extend(e["logprob"] for e in lp["content"])
+                    elif lp.get("token_logprobs") is not None:  # completions
+                        rec.logprobs.extend(lp["token_logprobs"])
         rec.latency_s = time.perf_counter() - start
         rec.text = "".join(parts)
         rec.output_tokens = _count(rec, parts, count_tokens)

@@ -37,9 +37,12 @@ class PromptRow:
         return self.prompt if self.messages is None else str(self.messages[-1].get("content", ""))
 
     def body(self, model: str, max_tokens: int, *, temperature: float = 0.0, mode: str | None = None,
-             seed: int | None = None, stream: bool = False) -> dict:
-        """The request body; ``mode`` goes into the ``rdserve`` extension (None = server default)."""
+             seed: int | None = None, stream: bool = False, logprobs: bool = False) -> dict:
+        """The request body; ``mode`` goes into the ``rdserve`` extension (None = server default);
+        ``logprobs``: ask for each output token's logprob (chat ``logprobs: true``, completions ``logprobs: 0``)."""
         body: dict = {"model": model, "max_tokens": max_tokens, "temperature": temperature, "stream": stream}
+        if logprobs:
+            body["logprobs"] = True if self.messages is not None else 0
         body.update({"messages": self.messages} if self.messages is not None else {"prompt": self.prompt})
         if stream:
             body["stream_options"] = {"include_usage": True}

@@ -1,8 +1,10 @@
 """Step 4, quality regression: speculative output against plain output through the served API.
 
 - Greedy: both modes at temperature 0, compared token by token (the streamed text re-tokenized with
-  the model's tokenizer). ReDrafter's greedy acceptance is lossless, so in float32 the mismatch
-  count must be zero. In bfloat16/float16 a different accumulation order may flip a near-tie: a
+  the model's tokenizer), and their logprobs (each output token's, from the server) over the tokens
+  both runs share. ReDrafter's greedy acceptance is lossless, so in float32 the mismatch
+  count must be zero, and so must the logprob differences on a compute path whose rows do not depend
+  on the rows beside them (float32, GGUF int8). In bfloat16/float16 a different accumulation order may flip a near-tie: a
   mismatch is tolerated only where the plain run's top-2 log-probability gap at the first differing
   position is below ``tolerance`` (nats). Every mismatch is listed with prompt, position and gap.
 - Sampled: ``samples`` completions per prompt per mode at temperature 1; the pooled output-token
@@ -51,8 +53,23 @@ def total_variation(a: Counter, b: Counter) -> float:
 def _run(target: Target, prompts, *, mode: str, max_tokens: int, temperature: float = 0.0, repeats: int = 1,
          seed: int = 0, progress: bool) -> RunResult:
     spec = LoadSpec(model=target.model, max_tokens=max_tokens, temperature=temperature, mode=mode,
-                    concurrency=1, max_requests=len(prompts) * repeats, duration_s=3600.0, seed=seed)
+                    concurrency=1, max_requests=len(prompts) * repeats, duration_s=3600.0, seed=seed,
+                    logprobs=temperature == 0.0)
     return run_load(target.base_url, prompts, spec, target.count_tokens, progress)
+
+
+def compare_logprobs(plain: RunResult, spec: RunResult) -> dict:
+    """Per-token logprob differences over each prompt's shared prefix of tokens (up to the first
+    differing token or the shorter output): the largest absolute difference and the prompts with any."""
+    worst, differing = 0.0, []
+    for p, s in zip(plain.records, spec.records):
+        n = len(p.logprobs) if p.text == s.text else 0  # a text mismatch is the greedy check's to report
+        diffs = [abs(a - b) for a, b in zip(p.logprobs[:n], s.logprobs[:n])]
+        if diffs and max(diffs) > 0:
+            differing.append({"prompt_index": p.prompt_index, "max_abs_diff": max(diffs)})
+        worst = max([worst, *diffs])
+    return {"compared_tokens": sum(len(p.logprobs) for p, s in zip(plain.records, spec.records) if p.text == s.text),
+            "max_abs_diff": worst, "prompts_differing": differing}
 
 
 def compare_greedy(plain: RunResult, spec: RunResult, prompts: Sequence[PromptRow], encode: Callable[[str], list[int]],
@@ -119,7 +136,8 @@ def run_quality(target: Target, prompts: Sequence[PromptRow], encode: Callable[[
     failed = [r.error for r in plain.records + spec.records if not r.ok]
     if failed:
         raise RuntimeError(f"quality: {len(failed)} request(s) failed, first: {failed[0]}")
-    out = {"greedy": compare_greedy(plain, spec, prompts, encode, dtype, tolerance, gap_fn),
+    out = {"greedy": {**compare_greedy(plain, spec, prompts, encode, dtype, tolerance, gap_fn),
+                      "logprobs": compare_logprobs(plain, spec)},
            **task_and_format_checks(plain, spec, prompts),
            "served_tokens_per_step": spec.summary()["tokens_per_step"]}
     if samples > 0:

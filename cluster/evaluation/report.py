@@ -77,6 +77,11 @@ def _quality(q: dict) -> list[str]:
     for m in g["mismatches"]:
         lines.append(f"  - prompt {m['prompt_index']} ({m['category']}) at token {m['position']}: plain "
                      f"{m['plain_token']} vs spec {m['spec_token']}, gap {_num(m['gap'], '.4f')}: {m['prompt']!r}")
+    if "logprobs" in g:  # results.json of an earlier version have none
+        lp = g["logprobs"]
+        lines.append(f"- greedy logprobs: largest difference {lp['max_abs_diff']:.3g} over {lp['compared_tokens']} "
+                     f"tokens of identical outputs; {len(lp['prompts_differing'])} prompt(s) differ at all "
+                     "(0 expected on float32 and GGUF int8 compute paths)")
     for name, c in q["task_checks"].items():
         lines.append(f"- task check `{name}`: plain {c['plain']}/{c['n']}, spec {c['spec']}/{c['n']}")
     lines.append(f"- finish_reason differs on {len(q['finish_reason_differs'])} prompt(s); stop strings leaked "

@@ -140,7 +140,7 @@ UNSUPPORTED: dict[str, tuple] = {
     # vLLM's extensions, which clients of vLLM-compatible servers send: each changes what the request
     # means, so it is honoured or refused, never ignored
     "guided_decoding_backend": (None, "xgrammar", "auto"), "guided_whitespace_pattern": (None,),
-    "include_stop_str_in_output": (None, False), "min_p": (None, 0, 0.0),
+    "min_p": (None, 0, 0.0),
     "use_beam_search": (None, False), "length_penalty": (None, 1, 1.0), "bad_words": (None, []),
     "allowed_token_ids": (None,), "logits_processors": (None,), "truncate_prompt_tokens": (None,),
     "skip_special_tokens": (None, True), "spaces_between_special_tokens": (None, True),
@@ -207,8 +207,12 @@ class StructuredOutputs(BaseModel):
 
 
 class RdserveOptions(BaseModel):
+    """``mode``: force the decoding mode. ``cache_salt``: share prefix-cache blocks only with requests
+    of the same salt (as vLLM's top-level ``cache_salt``, which is accepted too)."""
+
     model_config = ConfigDict(extra="forbid", strict=True)
     mode: Literal["auto", "spec", "plain"] | None = None
+    cache_salt: str | None = Field(None, min_length=1)
 
 
 class StreamOptions(BaseModel):
@@ -246,7 +250,9 @@ class _GenerationRequest(_UnsupportedFields):
     repetition_penalty: float | None = Field(None, gt=0.0)
     min_tokens: int | None = Field(None, ge=0)
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    include_stop_str_in_output: bool | None = None
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    cache_salt: str | None = Field(None, min_length=1)
     # structured outputs: OpenAI's response_format, vLLM's structured_outputs and guided_* (at most one)
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
@@ -402,12 +408,14 @@ class _GenerationRequest(_UnsupportedFields):
         return SamplingParams(
             temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
             stop=tuple(self.stop or ()), ignore_eos=self.ignore_eos,
+            include_stop_str_in_output=bool(self.include_stop_str_in_output),
             stop_token_ids=tuple(self.stop_token_ids or ()),
             logit_bias=tuple((int(k), float(v)) for k, v in (self.logit_bias or {}).items()),
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             frequency_penalty=self.frequency_penalty or 0.0, presence_penalty=self.presence_penalty or 0.0,
             min_tokens=self.min_tokens or 0, logprobs=self.num_logprobs, prompt_logprobs=self.num_prompt_logprobs,
-            grammar=self._grammar[1] if self._grammar else None)
+            grammar=self._grammar[1] if self._grammar else None,
+            cache_salt=self.cache_salt or (self.rdserve.cache_salt if self.rdserve else None))
 
 
 def _field_error(field: str, message: str) -> ValidationError:
@@ -687,10 +695,17 @@ class CompletionRequest(_GenerationRequest):
         return self.max_tokens
 
 
+class PromptTokensDetails(BaseModel):
+    """``cached_tokens``: prompt tokens served from the prefix cache (their prefill skipped)."""
+
+    cached_tokens: int = 0
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
 
 
 class RdserveStats(BaseModel):

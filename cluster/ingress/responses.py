@@ -34,6 +34,7 @@ from cluster.ingress.protocol import (
     CompletionResponse,
     FunctionCall,
     PromptLogprob,
+    PromptTokensDetails,
     RdserveStats,
     ToolCall,
     TopLogprobEntry,
@@ -79,7 +80,8 @@ def _call(call: dict) -> ToolCall:
 def usage_of(last) -> Usage:
     """Usage from the final engine delta (its counters are cumulative)."""
     return Usage(prompt_tokens=last.prompt_tokens, completion_tokens=last.completion_tokens,
-                 total_tokens=last.prompt_tokens + last.completion_tokens)
+                 total_tokens=last.prompt_tokens + last.completion_tokens,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=getattr(last, "cached_tokens", 0)))
 
 
 def stats_of(started: Started, last) -> RdserveStats:

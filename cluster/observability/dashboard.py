@@ -72,8 +72,11 @@ ROWS: tuple[tuple[str, tuple[PanelDef, ...]], ...] = (
     )),
     ("Speculative decoding", (
         PanelDef("Acceptance rate", "Accepted draft tokens / draft tokens offered (each tree's depth). Falling "
-                 "toward 0 means drafts are wasted compute.", "percentunit",
-                 ((f"{ACCEPTED} / {_rate('spec_decode_num_draft_tokens')}", "acceptance rate"),)),
+                 "toward 0 means drafts are wasted compute. Rejected by a grammar: the share a structured output's "
+                 "or tool call's grammar forbade (what a schema costs in acceptance).", "percentunit",
+                 ((f"{ACCEPTED} / {_rate('spec_decode_num_draft_tokens')}", "acceptance rate"),
+                  (f"{_rate('spec_decode_num_grammar_rejected_tokens')} / {_rate('spec_decode_num_draft_tokens')}",
+                   "rejected by a grammar"))),
         PanelDef("Mean acceptance length", "vLLM's: 1 + accepted / drafts (tokens per drafting step). Tokens per "
                  "step counts plain steps too: (accepted + steps) / steps. Near 1 while speculating: drafts are "
                  "rejected, speculation costs more than it saves.", "short",

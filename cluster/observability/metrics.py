@@ -93,6 +93,13 @@ METRICS: tuple[MetricDef, ...] = (
               "Draft tokens offered: each tree's depth (draft_len_per_beam, fewer near max_tokens)."),
     MetricDef("spec_decode_num_accepted_tokens",          C, (),                   None,              "engine",
               "Draft tokens accepted by the base model and emitted."),
+    MetricDef("prefix_cache_queries",                     C, (),                   None,              "engine",
+              "Prompt tokens looked up in the prefix cache at admission (vLLM's name)."),
+    MetricDef("prefix_cache_hits",                        C, (),                   None,              "engine",
+              "Prompt tokens found in the prefix cache (their prefill skipped); hit rate = hits / queries."),
+    MetricDef("spec_decode_num_grammar_rejected_tokens",  C, (),                   None,              "engine",
+              "Draft tokens offered but not accepted because the request's grammar (structured output, tool "
+              "calls) forbade the next drafted token; the rest of the rejections are the base model's."),
     MetricDef("spec_decode_num_accepted_tokens_per_pos",  C, ("position",),        None,              "engine",
               "Drafts whose accepted path reached draft position (0-based) position."),
     MetricDef("spec_decode_num_beams",                    G, (),                   None,              "engine",

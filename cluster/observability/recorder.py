@@ -92,7 +92,9 @@ class ReplicaMetrics:
         for name, value in (("prompt_tokens", d.prompt_tokens), ("generation_tokens", d.generation_tokens),
                             ("generation_steps", d.generation_steps), ("num_preemptions", d.num_preemptions),
                             ("spec_decode_num_drafts", d.drafts), ("spec_decode_num_draft_tokens", d.draft_tokens),
-                            ("spec_decode_num_accepted_tokens", d.accepted_tokens)):
+                            ("spec_decode_num_accepted_tokens", d.accepted_tokens),
+                            ("spec_decode_num_grammar_rejected_tokens", d.grammar_rejected_tokens),
+                            ("prefix_cache_queries", d.prefix_cache_queries), ("prefix_cache_hits", d.prefix_cache_hits)):
             if value:
                 m[name].inc(value)
         if d.aborted:

@@ -76,3 +76,29 @@ def base_url(tiny_config):
 def http(base_url):
     with httpx.Client(base_url=base_url, timeout=60) as client:
         yield client
+
+
+# The default model, for the ingress tests that need a real model (tests/cluster/ingress/*default_model*).
+LOCAL_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "local.yaml"
+SMOLLM_APP, SMOLLM_PREFIX = "smollm", "/smollm"
+
+
+@pytest.fixture(scope="session")
+def smollm(base_url):
+    """The default model (``configs/local.yaml``'s engine and speculation sections) as app ``SMOLLM_APP`` on
+    the session's Serve, deployed once; yields (openai client, model name, its base URL); deleted at
+    session end."""
+    from openai import OpenAI
+    from ray import serve
+
+    from cluster.deploy.app import deploy
+    from workers.models.pull import pull_default
+
+    pull_default()  # `rdserve model pull`: a no-op once cached
+    cfg = load_config(LOCAL_CONFIG)
+    deploy(cfg, name=SMOLLM_APP, route_prefix=SMOLLM_PREFIX)
+    try:
+        yield (OpenAI(base_url=f"{base_url}{SMOLLM_PREFIX}/v1", api_key="unused", timeout=120, max_retries=0), cfg.model.name,
+               f"{base_url}{SMOLLM_PREFIX}/v1")
+    finally:
+        serve.delete(SMOLLM_APP)

@@ -239,3 +239,23 @@ def test_random_token_ids_match_full_decode(tokenizer):
         params = SamplingParams(max_tokens=rng.randint(1, 32), stop=(stop,), ignore_eos=rng.random() < 0.5)
         for step_size in STEP_SIZES:
             check(tokenizer, ids, params, step_size, eos, valid_utf8=False)
+
+
+@pytest.mark.parametrize("step_size", STEP_SIZES)
+def test_include_stop_str_in_output_ends_the_text_with_the_stop_string(tokenizer, token_ids, step_size):
+    """vLLM's include_stop_str_in_output: the text runs to the end of the earliest stop string (the
+    longest complete one starting there), at every offset, whatever the step size; the tokens are
+    the same as without it."""
+    text = decode(tokenizer, token_ids)
+    for start in range(0, len(text) - 3, 3):
+        stop = text[start : start + 3]
+        if REPLACEMENT_CHAR in stop:
+            continue
+        with_stop, _ = run(tokenizer, token_ids, SamplingParams(max_tokens=100, stop=(stop, stop[:2]),
+                                                                include_stop_str_in_output=True), step_size)
+        without, _ = run(tokenizer, token_ids, SamplingParams(max_tokens=100, stop=(stop, stop[:2])), step_size)
+        cut = text.find(stop[:2])
+        assert without.text == text[:cut]
+        # the 2-character stop is complete first; the 3-character one too if the same token completed it
+        assert with_stop.text in (text[: cut + 2], text[: cut + 3] if text.startswith(stop, cut) else None)
+        assert with_stop.token_ids == without.token_ids

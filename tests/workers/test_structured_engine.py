@@ -103,3 +103,26 @@ def test_a_grammar_that_does_not_compile_is_a_value_error(engines):
     with pytest.raises(GrammarError, match="cannot compile regex"):
         engine.add_request("bad", [5, 6], SamplingParams(grammar=GrammarSpec.regex("[a-")), "plain")
     assert engine.num_unfinished == 0
+
+
+def test_grammar_rejected_draft_tokens_are_counted_apart(engines):
+    """The engine's stats count draft tokens the grammar forbade separately: some under a schema,
+    never more than the draft tokens not accepted, none without a grammar."""
+    from workers.engine_metrics import EngineStats
+
+    engine = engines("tied_gqa2")
+    engine.stats = EngineStats()
+    try:
+        for case in range(4):
+            prompt = random_prompt(random.Random(case), len(engine.tokenizer), 20)
+            list(engine.generate(prompt, SamplingParams(max_tokens=48, grammar=SPECS["json_schema"]), "spec",
+                                 force_draft=True))
+        constrained = engine.drain_stats()
+        for case in range(2):
+            list(engine.generate(random_prompt(random.Random(case), len(engine.tokenizer), 20),
+                                 SamplingParams(max_tokens=24), "spec", force_draft=True))
+        free = engine.drain_stats()
+    finally:
+        engine.stats = None
+    assert 0 < constrained.grammar_rejected_tokens <= constrained.draft_tokens - constrained.accepted_tokens
+    assert free.grammar_rejected_tokens == 0 and free.draft_tokens > 0

@@ -41,6 +41,7 @@ def test_eval_all_steps_on_the_tiny_cluster(base_url, tiny_config_path, tmp_path
 
     quality = res["quality"]
     assert quality["greedy"]["passed"] and quality["greedy"]["mismatches"] == []  # float32: lossless
+    assert quality["greedy"]["logprobs"]["compared_tokens"] > 0 and quality["greedy"]["logprobs"]["max_abs_diff"] == 0
     assert set(quality["task_checks"]) == {"valid_json", "final_number", "code_parses"}
     assert quality["finish_reason_differs"] == [] and quality["stop_string_leaks"] == []
     assert 0.0 <= quality["sampled"]["tv_spec_vs_plain"] <= 1.0

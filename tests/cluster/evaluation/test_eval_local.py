@@ -111,6 +111,8 @@ def test_eval_every_step_on_the_shipped_local_config(tmp_path):
     quality = res["quality"]
     greedy = quality["greedy"]
     assert greedy["compared"] == n and greedy["passed"], greedy  # speculation is lossless on the default path
+    # and so are its logprobs: the default compute path's rows do not depend on the rows beside them
+    assert greedy["logprobs"]["compared_tokens"] > 0 and greedy["logprobs"]["max_abs_diff"] == 0, greedy["logprobs"]
     assert set(quality["task_checks"]) == {"valid_json", "final_number", "code_parses"}
     assert quality["sampled"]["samples_per_prompt"] == 2 and 0.0 <= quality["sampled"]["tv_spec_vs_plain"] <= 1.0
 

@@ -57,7 +57,12 @@ def test_stream_agrees_with_non_stream(http, path, body):
     assert chunks[-1] == "[DONE]"
     data = chunks[:-1]
     usage_chunk = data[-1]
+    # the same counts; the stream, sent second, found the prompt's full blocks in the prefix cache
+    streamed_cached = usage_chunk["usage"].pop("prompt_tokens_details")["cached_tokens"]
+    whole_cached = whole["usage"].pop("prompt_tokens_details")["cached_tokens"]
     assert usage_chunk["choices"] == [] and usage_chunk["usage"] == whole["usage"]
+    blocks = (whole["usage"]["prompt_tokens"] - 1) // 16 * 16  # the tiny config's 16-token blocks
+    assert streamed_cached == blocks and whole_cached in (0, blocks)
     choices = [c["choices"][0] for c in data[:-1]]
     finishing = [c for c in choices if c["finish_reason"] is not None]
     assert len(finishing) == 1 and choices[-1] is finishing[0]
@@ -150,7 +155,7 @@ LONG = "x" * 2000  # beyond the tiny model's context (max_seq_len 256; 1024 posi
          "response_format"),
         ("/v1/completions", {"prompt": "a", "guided_regex": "[a-"}, "guided_regex"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "tools": [{"type": "function"}]},
-         "tools"),
+         "tools.0.function"),
         ("/v1/completions", {"prompt": "a", "presence_penalty": 2.5}, "presence_penalty"),
         ("/v1/completions", {"prompt": "a", "logit_bias": {"x": 1}}, "logit_bias"),
         ("/v1/completions", {"prompt": "a", "logit_bias": {"99999999": 1}}, "logit_bias"),

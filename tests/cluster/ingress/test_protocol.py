@@ -165,7 +165,7 @@ def test_stop_within_the_limits_and_streaming_options_are_accepted():
 # What a client of a vLLM-compatible server sends, each changing what the request means.
 VLLM_FIELDS = {
     "guided_decoding_backend": "outlines",
-    "guided_whitespace_pattern": " ", "include_stop_str_in_output": True, "min_p": 0.1, "use_beam_search": True,
+    "guided_whitespace_pattern": " ", "min_p": 0.1, "use_beam_search": True,
     "length_penalty": 0.5, "bad_words": ["x"], "allowed_token_ids": [1, 2], "skip_special_tokens": False,
     "add_generation_prompt": False, "continue_final_message": True, "chat_template": "{{ messages }}",
     "chat_template_kwargs": {"enable_thinking": True}, "modalities": ["audio"],

@@ -1,5 +1,7 @@
 """The in-flight batching engine runs unchanged on TP2/TP4/TP8 (:func:`tp_executor_factory`): greedy
-output of concurrent plain and speculative requests is token-identical to TP1's.
+output of concurrent plain and speculative requests is token-identical to TP1's (without prefix
+caching), the second time also with the prompts' blocks from the prefix cache (every rank reads the
+same block ids: the block manager lives on rank 0 and sends slots).
 
 Model: 8 query heads, 4 KV heads (TP8 replicates KV heads), vocabulary 397 (padded vocab slices),
 with a ReDrafter head self-distilled on it so drafts are often accepted. Small prefill chunks make
@@ -49,7 +51,7 @@ def run_all(engine: Engine) -> dict[tuple[int, str], tuple[list[int], int]]:
 
 @pytest.fixture(scope="module")
 def reference(dirs):
-    engine = load_engine(str(dirs[0]), str(dirs[1]), **OPTIONS)
+    engine = load_engine(str(dirs[0]), str(dirs[1]), enable_prefix_caching=False, **OPTIONS)
     try:
         return run_all(engine)
     finally:
@@ -69,5 +71,6 @@ def test_engine_greedy_output_is_token_identical(dirs, reference, tp):
     try:
         assert engine.executor.tp_size == tp
         assert run_all(engine) == reference
+        assert engine.blocks.num_cached_blocks > 0 and run_all(engine) == reference  # again, the prompts' blocks now from the prefix cache
     finally:
         engine.close()
