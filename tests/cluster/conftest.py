@@ -83,11 +83,11 @@ LOCAL_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "local.yaml"
 SMOLLM_APP, SMOLLM_PREFIX = "smollm", "/smollm"
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def smollm(base_url):
     """The default model (``configs/local.yaml``'s engine and speculation sections) as app ``SMOLLM_APP`` on
-    the session's Serve, deployed once; yields (openai client, model name, its base URL); deleted at
-    session end."""
+    the session's Serve; yields (openai client, model name, its base URL); deleted at the module's end,
+    as every test app is: the session's Ray has too few CPUs to keep it beside the apps of later modules."""
     from openai import OpenAI
     from ray import serve
 
