@@ -21,10 +21,10 @@ rate (sum ``usage.prompt_tokens_details.cached_tokens`` / sum ``usage.prompt_tok
 ratio from the server's ``ray_rdserve_prefix_cache_hits_total / ..._queries_total`` (warm-up
 excluded; "-" when /metrics does not show them in time), and ``/health``'s ``kv_cache.cached_blocks``
 after the level. Per concurrency: TTFT p50 at turns >= 4, caching on / off (target <= 0.3x at
-concurrency 1), and the (conversation, turn) answers that differ between on and off (greedy; a
-difference carries into the conversation's later turns; caching on prefills only a prompt's uncached
-suffix, so on the int8-activation path, whose logits depend on how a prompt is chunked, a near-tie can
-flip). Prints Markdown tables naming the CPU and the compute path (``/health``'s ``compute_path``),
+concurrency 1), and the (conversation, turn) answers that differ between on and off (greedy; 0
+expected: caching on prefills only a prompt's uncached suffix, and every prompt row is computed the
+same way whatever its chunk, also on the int8-activation path; before ``c55722a`` SDPA's chunk-shaped
+rounding flipped near-ties there). Prints Markdown tables naming the CPU and the compute path (``/health``'s ``compute_path``),
 writes JSON with the command line (per-request records name each user turn by its line in
 ``--prompts``; no prompt or answer text).
 

@@ -22,6 +22,7 @@ strings of at most ``MAX_STOP_CHARS`` characters (the engine checks every stop s
 from __future__ import annotations
 
 import json
+import re
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, create_model,
@@ -53,11 +54,20 @@ def error_body(message: str, param: str | None, type_: str = "invalid_request_er
 NOT_A_JSON_OBJECT = "the request body must be a JSON object, sent with Content-Type: application/json"
 
 
+def _is_field_part(part) -> bool:
+    """A ``loc`` element that names a field, a list index or a dict key, not a union member's tag
+    that pydantic inserts (``literal['none','auto']``, ``NamedToolChoice``, ``dict[str,any]``)."""
+    return isinstance(part, int) or (re.fullmatch(r"[a-z0-9_]+", str(part)) is not None and part not in _TYPE_TAGS)
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "none", "bytes"}  # pydantic's tags of plain union members
+
+
 def validation_error(errors: list[dict]) -> RequestError:
     """The 400 for pydantic's validation errors (FastAPI's, their ``loc`` starting with ``"body"``):
     ``param`` is the first bad field; the message names each bad field with pydantic's text, less its
     ``"Value error, "`` prefix (a validator's own message)."""
-    fields = [".".join(str(p) for p in e["loc"] if p != "body") for e in errors]
+    fields = [".".join(str(p) for p in e["loc"] if p != "body" and _is_field_part(p)) for e in errors]
     if not fields or not fields[0]:  # the body itself: not JSON sent as JSON, or not an object
         return RequestError(None, f"body: {NOT_A_JSON_OBJECT}")
     message = "; ".join(f"{f}: {e['msg'].removeprefix('Value error, ')}" for f, e in zip(fields, errors))

@@ -30,7 +30,7 @@ def test_concurrent_requests_get_their_solo_outputs(base_url, http):
     together = [r.json() for r in asyncio.run(post_all(base_url, "/v1/completions", bodies))]
     for s, t in zip(solo, together):
         assert t["choices"][0]["text"] == s["choices"][0]["text"]
-        assert t["usage"] == s["usage"]
+        assert counts(t["usage"]) == counts(s["usage"])  # cached_tokens depends on the order
         assert t["rdserve"]["mode"] == s["rdserve"]["mode"]
 
 
@@ -89,3 +89,9 @@ def test_openai_client_retries_a_503_after_retry_after(tight_app):
     for (t0, status, retry_after), (t1, _, _) in zip(seen, seen[1:]):
         assert status == 503 and 1 <= int(retry_after) <= 10
         assert t1 - t0 >= int(retry_after) - 0.2, seen  # the client waited as told
+
+
+def counts(usage: dict) -> dict:
+    """Token counts of a usage object, less ``prompt_tokens_details`` (the prefix cache's hits depend on
+    which request came first)."""
+    return {k: v for k, v in usage.items() if k != "prompt_tokens_details"}

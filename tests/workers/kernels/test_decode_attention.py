@@ -109,17 +109,23 @@ def test_both_builds_compute_the_same_bits():
     assert torch.equal(outs[0], outs[1])
 
 
-def test_long_prompt_chunks_are_left_to_sdpa_and_bad_slots_are_refused(isa):
+def test_long_prompt_chunks_take_the_kernel_row_by_row_and_bad_slots_are_refused(isa, monkeypatch):
+    """A prompt chunk of any length takes the kernel (MAX_ROWS None), and each of its rows computes the
+    bits it computes alone: a prompt's rows do not depend on its chunking (prefix caching relies on
+    it). With MAX_ROWS set, longer prompt chunks go to SDPA; draft trees never do."""
     q, kc, vc, slots, mask = random_case(1, 65, 80, 4, 2, 16)
+    chunk = plan(isa, AttentionGroup(0, 1, 65, slots, mask), kc.shape[0])
+    assert chunk is not None
+    got = attend(chunk, q, kc, vc)
+    for row in (0, 31, 64):
+        alone = attend(plan(isa, AttentionGroup(0, 1, 1, slots, mask[:, :, row:row + 1]), kc.shape[0]),
+                       q[row:row + 1], kc, vc)
+        assert torch.equal(got[row:row + 1], alone)
+    import workers.kernels.decode_attention as decode_attention
+
+    monkeypatch.setattr(decode_attention, "MAX_ROWS", 64)
     assert plan(isa, AttentionGroup(0, 1, 65, slots, mask), kc.shape[0]) is None
-    # a draft tree of 65 nodes stays on the kernel, as every decode row does: same bits as alone
-    tree = plan(isa, AttentionGroup(0, 1, 65, slots, mask, decode=True), kc.shape[0])
-    assert tree is not None
-    got = attend(tree, q, kc, vc)
-    row = 64
-    alone = attend(plan(isa, AttentionGroup(0, 1, 1, slots, mask[:, :, row:], decode=True), kc.shape[0]),
-                   q[row:], kc, vc)
-    assert torch.equal(got[row:], alone)
+    assert plan(isa, AttentionGroup(0, 1, 65, slots, mask, decode=True), kc.shape[0]) is not None
     _, kc, _, slots, mask = random_case(1, 2, 10, 4, 2, 16)
     slots[0, 3] = kc.shape[0]
     with pytest.raises(ValueError, match="kv_slots outside"):
