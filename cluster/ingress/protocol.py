@@ -257,7 +257,8 @@ class _GenerationRequest(_UnsupportedFields):
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
-    repetition_penalty: float | None = Field(None, gt=0.0)
+    # vLLM's only bound is > 0; a denormal one (5e-324) divides logits to inf, so 0.01-100 (far beyond use)
+    repetition_penalty: float | None = Field(None, ge=0.01, le=100.0)
     min_tokens: int | None = Field(None, ge=0)
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     include_stop_str_in_output: bool | None = None
