@@ -223,6 +223,8 @@ def served(args, cfg, texts: list[str]) -> dict:
             i for i, r in enumerate(lp) if not r["logprobs"] or len(r["logprobs"]) != r["completion_tokens"]
             or any(len(e["top_logprobs"]) != 5 for e in r["logprobs"])],
     }
+    for r in lp:  # checked above; the entries themselves (~100 KiB per request) stay out of the JSON
+        r["logprobs"] = len(r["logprobs"] or [])
     return out
 
 
