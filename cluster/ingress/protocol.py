@@ -29,6 +29,7 @@ from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr,
                       field_validator, model_validator)
 from pydantic_core import PydanticCustomError
 
+from cluster.ingress.tools import tool_grammar
 from workers.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
 from workers.structured.errors import GrammarError
 from workers.structured.spec import GrammarSpec
@@ -586,8 +587,6 @@ class ChatCompletionRequest(_GenerationRequest):
             ValidationError: ``tool_choice`` required or named without ``tools``, a named function
                 not among them, duplicate tool names, or tools with another structured-output field.
         """
-        from cluster.ingress.tools import tool_grammar
-
         names = [t.function.name for t in self.tools or []]
         if len(set(names)) != len(names):
             raise _field_error("tools", "tool names must be unique")
@@ -633,9 +632,7 @@ class ChatCompletionRequest(_GenerationRequest):
                 reported on ``top_logprobs``.
         """
         if self.top_logprobs is not None and self.logprobs is not True:
-            raise ValidationError.from_exception_data("ChatCompletionRequest", [{
-                "type": PydanticCustomError("top_logprobs", "only allowed when logprobs is true"),
-                "loc": ("top_logprobs",), "input": self.top_logprobs}])
+            raise _field_error("top_logprobs", "only allowed when logprobs is true")
         return self
 
     @property

@@ -134,17 +134,17 @@ class ChatFormat:
 
     def chunk(self, text: str, finish_reason: str | None = None, stats: RdserveStats | None = None,
               logprobs=None, prompt_logprobs=None) -> BaseModel:
-        delta = {"content": text} if text else {}
+        calls = []
         if self.tools is not None:
             text, calls = self.tools.feed(text)
             if finish_reason is not None:
                 rest, _ = self.tools.finish()
                 text += rest
                 finish_reason = "tool_calls" if self.tools.calls and finish_reason == "stop" else finish_reason
-            delta = {"content": text} if text else {}
-            if calls:
-                delta["tool_calls"] = [{"index": c["index"], "id": c["id"], "type": "function",
-                                        "function": c["function"]} for c in calls]
+        delta = {"content": text} if text else {}
+        if calls:
+            delta["tool_calls"] = [{"index": c["index"], "id": c["id"], "type": "function",
+                                "function": c["function"]} for c in calls]
         choice = ChatChunkChoice(delta=delta, finish_reason=finish_reason,
                                  logprobs=None if logprobs is None else chat_logprobs(logprobs))
         chunk = self._chunk([choice], rdserve=stats)

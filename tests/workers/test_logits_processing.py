@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import random
 from dataclasses import replace
-from functools import lru_cache
 
 import pytest
 import torch
 
 from test_lossless import random_prompt
+from spec_engines import engine_4x4_factory
 from tiny_gguf import weights_variant
-from workers.engine_builder import load_engine
 from workers.logits_processing import process_logits, prompt_presence
 from workers.redrafter.tree import build_prefix_tree
 from workers.sampling_params import SamplingParams
@@ -78,11 +77,7 @@ def test_without_processors_the_logits_are_untouched():
 
 @pytest.fixture(scope="module")
 def engines(tiny_model_dirs, trained_drafter_dirs):
-    @lru_cache(maxsize=None)
-    def make(variant: str):
-        return load_engine(str(tiny_model_dirs[variant]), str(trained_drafter_dirs[variant.split("@")[0]]),
-                           num_beams=4, draft_len_per_beam=4, max_seq_len=256)
-    return make
+    return engine_4x4_factory(tiny_model_dirs, trained_drafter_dirs)
 
 
 def tokens_of(engine, prompt, params, mode) -> tuple[list[int], str, int]:

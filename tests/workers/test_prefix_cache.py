@@ -79,7 +79,7 @@ def run_all(engine, requests: list[dict], check_blocks: bool = False) -> dict[st
     """Admit ``requests`` (interleaved arrivals) and step to the end; ``{id: tokens}``. With
     ``check_blocks`` every running request's cached blocks are checked, every iteration, to hold its
     own prefix."""
-    pending, out, done = list(requests), {r["id"]: [] for r in requests}, set()
+    pending, out = list(requests), {r["id"]: [] for r in requests}
     rng = random.Random(len(requests))
     while pending or engine.num_unfinished:
         for _ in range(rng.randint(0, 2)):

@@ -10,14 +10,13 @@ from __future__ import annotations
 import json
 import random
 import re
-from functools import lru_cache
 
 import jsonschema
 import pytest
 
 from test_lossless import random_prompt
+from spec_engines import engine_4x4_factory
 from tiny_gguf import weights_variant
-from workers.engine_builder import load_engine
 from workers.sampling_params import SamplingParams
 from workers.structured.errors import GrammarError
 from workers.structured.spec import GrammarSpec
@@ -51,11 +50,7 @@ def matches(kind: str, text: str) -> bool:
 
 @pytest.fixture(scope="module")
 def engines(tiny_model_dirs, trained_drafter_dirs):
-    @lru_cache(maxsize=None)
-    def make(variant: str):
-        return load_engine(str(tiny_model_dirs[variant]), str(trained_drafter_dirs[variant.split("@")[0]]),
-                           num_beams=4, draft_len_per_beam=4, max_seq_len=256)
-    return make
+    return engine_4x4_factory(tiny_model_dirs, trained_drafter_dirs)
 
 
 def generate(engine, prompt, params, mode):

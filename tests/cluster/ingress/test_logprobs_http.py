@@ -4,7 +4,6 @@ streamed logprobs are the whole response's, and the shapes are OpenAI's (chat) a
 """
 
 import openai
-import pytest
 
 from test_openai_api import MODEL_NAME, events
 
