@@ -6,8 +6,9 @@ each tool is a tag ``<tool_call>\\n{"name": <its name>, "arguments": <its parame
 
 - ``auto``: free text; once the model opens ``<tool_call>`` what follows must be a call of one of the
   tools with valid arguments, and the block must close;
-- ``required``: the reply is one or more such blocks (at least one);
-- a named function: exactly one block, for that function;
+- ``required``: the reply is one or more such blocks (at least one), separated by newlines, and
+  nothing else;
+- a named function: exactly one block, for that function, and nothing else;
 - ``parallel_tool_calls: false``: at most one block.
 
 Parsing never loses text: a block that does not parse (only possible when ``max_tokens`` cut it, or
@@ -43,9 +44,13 @@ def tool_grammar(tools: list[dict], tool_choice: str | dict, parallel: bool) -> 
                  "properties": {"name": {"const": t["function"]["name"]},
                                 "arguments": t["function"].get("parameters") or ANY_OBJECT}}}}
             for t in chosen]
-    return GrammarSpec.structural_tag({"type": "structural_tag", "format": {
-        "type": "triggered_tags", "triggers": [TOOL_CALL_BEGIN], "tags": tags,
-        "at_least_one": at_least_one, "stop_after_first": one}})
+    if at_least_one:  # the reply is calls only, one per line, then EOS
+        fmt = {"type": "tags_with_separator", "tags": tags, "separator": "\n", "at_least_one": True,
+               "stop_after_first": one}
+    else:  # free text; what follows an opening tag is a call
+        fmt = {"type": "triggered_tags", "triggers": [TOOL_CALL_BEGIN], "tags": tags, "at_least_one": False,
+               "stop_after_first": one}
+    return GrammarSpec.structural_tag({"type": "structural_tag", "format": fmt})
 
 
 def new_call_id() -> str:

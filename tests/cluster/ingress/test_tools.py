@@ -96,10 +96,13 @@ def test_tool_grammar_auto_required_named_and_single(compiler):
     assert not accepts(compiler, auto, '<tool_call>\n{"name": "get_weather", "arguments": {"town": ', complete=False)
     required = tool_grammar([WEATHER, TIME], "required", parallel=True)
     assert not accepts(compiler, required, "It is", complete=False)  # a call must come first
-    assert accepts(compiler, required, CALL + '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>')
+    assert accepts(compiler, required, CALL + '\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>')
+    assert not accepts(compiler, required, CALL + " and some text", complete=False)  # calls only, then EOS
     named = tool_grammar([WEATHER, TIME], {"type": "function", "function": {"name": "get_time"}}, parallel=True)
     assert not accepts(compiler, named, '<tool_call>\n{"name": "get_w', complete=False)
     assert accepts(compiler, named, '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>')
+    assert not accepts(compiler, named, '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>\n',
+                       complete=False)
     single = tool_grammar([WEATHER], "required", parallel=False)
     assert accepts(compiler, single, CALL) and not accepts(compiler, single, CALL + "<tool_call>", complete=False)
 
