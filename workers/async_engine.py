@@ -36,6 +36,11 @@ from workers.sampling_params import SamplingParams
 log = logging.getLogger(__name__)
 
 
+MIN_PREFILL_SAMPLE = 32
+"""Prompt positions an iteration must compute to count in ``prefill_s_per_token`` (a short chunk's time is
+mostly the decode rows beside it)."""
+
+
 class EngineFailure(RuntimeError):
     """An iteration failed; every request in flight gets this error."""
 
@@ -59,6 +64,9 @@ class AsyncEngine:
         self.step_s = 0.0  # moving average of seconds per generation-only iteration (weight 0.1), for routing
         # stats: an iteration that also prefills a prompt chunk costs many decode steps and would make a replica
         # that just admitted a request look several times slower than its peers
+        self.prefill_s_per_token = 0.0  # moving average of an iteration's seconds per prompt position it
+        # computed (weight 0.1), over iterations with at least MIN_PREFILL_SAMPLE of them: the router's price
+        # of the prefill a cached prefix saves
         built: Future = Future()
         self._thread = threading.Thread(target=self._run, args=(build, built), name="engine", daemon=True)
         self._thread.start()
@@ -208,6 +216,10 @@ class AsyncEngine:
                 dt = time.perf_counter() - t0
                 if deltas and not self.engine.last_context_requests:
                     self.step_s = dt if not self.step_s else 0.9 * self.step_s + 0.1 * dt
+                elif self.engine.last_context_tokens >= MIN_PREFILL_SAMPLE:
+                    per_token = dt / self.engine.last_context_tokens
+                    self.prefill_s_per_token = per_token if not self.prefill_s_per_token else \
+                        0.9 * self.prefill_s_per_token + 0.1 * per_token
             except Exception as err:
                 log.exception("engine iteration failed")
                 self._fail_all(EngineFailure(f"engine error: {type(err).__name__}: {err}"))

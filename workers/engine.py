@@ -107,6 +107,7 @@ class Engine:
                                                    lookup.longest if lookup else 0), blocks)
         self.stats: EngineStats | None = None  # counts for metrics when set (cluster.observability)
         self.last_context_requests = 0  # requests with a prompt chunk in the last iteration
+        self.last_context_tokens = 0  # prompt positions computed in the last iteration
         self.eos_token_ids = set(model.config.eos_token_id)
         if tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(tokenizer.eos_token_id)
@@ -241,6 +242,7 @@ class Engine:
         t0, stats = time.perf_counter(), self.stats
         plan = self.scheduler.schedule(self.spec_policy, self.forced_shape)
         self.last_context_requests = len(plan.context)  # prompt chunks in this iteration (step-time stats)
+        self.last_context_tokens = sum(n for _, _, n in plan.context)
         if not plan.context and not plan.generation:
             return []
         if stats:

@@ -107,6 +107,10 @@ class ServeConfig(_Section):
         "to complete first, from each replica's load, free KV blocks, step time and tokens per step; see "
         "cluster.routing.ranking) or 'pow2' (Ray Serve's default: the shorter queue of two random replicas)",
     )
+    prefix_aware_routing: StrictBool = Field(
+        True, description="with request_router 'goodput': count the prefill each replica's prefix cache saves "
+        "(replicas report hashes of the prompt text they cached; workers.text_prefix), so a repeated "
+        "prefix goes where it is cached while that replica's load costs less than the prefill saved")
     api_keys: Annotated[list[SecretStr] | ApiKeySource | None, BeforeValidator(parse_api_keys)] = Field(
         None, description="require 'Authorization: Bearer KEY' on /v1/* (cluster.ingress.auth): a list of keys, or "
         "{env: VAR} / {file: PATH} to read them where the ingress runs; null = no authentication")

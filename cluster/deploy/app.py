@@ -107,9 +107,10 @@ ROUTING_STATS_TIMEOUT_S = 5.0
 
 def request_router_options(cfg: RdserveConfig) -> dict:
     """``request_router_config`` of the engine replicas: ``serve.request_router`` 'goodput'
-    (``cluster.routing.request_router``) or 'pow2' (Serve's default router), both polling routing stats every
-    ``ROUTING_STATS_PERIOD_S``."""
-    router_class = ({"request_router_class": "cluster.routing.request_router:GoodputRequestRouter"}
+    (``cluster.routing.request_router``, ``serve.prefix_aware_routing`` its ``prefix_aware``) or 'pow2'
+    (Serve's default router), both polling routing stats every ``ROUTING_STATS_PERIOD_S``."""
+    router_class = ({"request_router_class": "cluster.routing.request_router:GoodputRequestRouter",
+                     "request_router_kwargs": {"prefix_aware": cfg.serve.prefix_aware_routing}}
                     if cfg.serve.request_router == "goodput" else {})
     return {"request_router_config": RequestRouterConfig(
         **router_class, request_routing_stats_period_s=ROUTING_STATS_PERIOD_S,

@@ -26,7 +26,8 @@ from cluster.ingress.messages import EngineRequest, Failed, Started
 from cluster.observability.recorder import ReplicaMetrics
 from cluster.replica.placement import placement_gpu_ids, uses_gpu_placement
 from cluster.ingress.protocol import RequestError, check_prompt_chars, check_token_ids, fit_kv_cache, resolve_max_tokens
-from cluster.replica.stats import TtftWindow, engine_stats
+from cluster.replica.stats import PrefixStats, TtftWindow, engine_stats
+from workers.text_prefix import routing_text
 from cluster.replica.spec_mode import choose_mode
 from workers.async_engine import AsyncEngine, EngineFailure
 from workers.outputs import GenerationDelta
@@ -59,6 +60,7 @@ class EngineReplica:
         self.load = 0
         self.ttft = TtftWindow()
         self.replica_id = serve_replica_id()
+        self.prefix = PrefixStats() if self.engine.options.enable_prefix_caching else None  # cache-aware routing
         self.metrics = ReplicaMetrics(self.async_engine, cfg.model.name,
                                       cfg.speculation.draft_len_per_beam if cfg.drafter.path else 0) \
             if cfg.observability.enabled else None
@@ -81,8 +83,10 @@ class EngineReplica:
 
     def record_routing_stats(self) -> dict:
         """Ray Serve's routing-stats hook: see :mod:`cluster.replica.stats`."""
+        if self.prefix:
+            self.prefix.prefill_s_per_token = self.async_engine.prefill_s_per_token
         return engine_stats(self.engine.snapshot(), self.load, self.async_engine.step_s, self.ttft.p90(),
-                            self.engine.options.max_batch_size, self.engine.speculative_available)
+                            self.engine.options.max_batch_size, self.engine.speculative_available, self.prefix)
 
     def record_autoscaling_stats(self) -> dict:
         """Ray Serve's custom autoscaling metrics hook (the same numbers, see :mod:`cluster.replica.stats`)."""
@@ -175,6 +179,9 @@ class EngineReplica:
         except (ValueError, TemplateError) as err:  # no chat template, or its raise_exception ("roles must alternate")
             yield Failed(400, f"{prompt_field}: {err}", prompt_field)
             return
+        if self.prefix:  # its prompt blocks enter the prefix cache: the router may send its followers here
+            self.prefix.admitted(routing_text(req.prompt, req.messages, req.tools, req.sampling.cache_salt),
+                                 len(prompt_ids))
         can_draft = self.engine.speculative_available and self.engine.forced_shape is not None
         mode, reason = choose_mode(self.load, req.mode, self.spec_cfg, can_draft, self.per_iteration,
                                    "no drafter loaded" if not self.engine.speculative_available

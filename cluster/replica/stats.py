@@ -18,6 +18,12 @@ Keys (all numbers; times in seconds):
 - ``shape``: the draft-tree shape in use, ``"BxD"``, or ``"plain"``.
 - ``ttft_p90_s``: 90th percentile time to first token over the last ``window_s`` seconds (None when
   no request started in it).
+- ``prefix_hashes``: routing-text block hashes of the prompts the replica's prefix cache likely still
+  holds (a frozenset of ints, :mod:`workers.text_prefix`; empty with prefix caching off);
+  ``chars_per_token``: routing-text characters per prompt token of the requests it served (moving
+  average; 4.0 before any); ``prefill_s_per_token``: seconds per prompt position of iterations that
+  prefill (moving average; 0 before any). Not numbers the autoscaler reads: ``prefix_hashes`` is left
+  out of the autoscaling stats.
 """
 
 from __future__ import annotations
@@ -27,6 +33,8 @@ from collections import deque
 from typing import TYPE_CHECKING
 
 import numpy as np
+
+from workers.text_prefix import DEFAULT_CHARS_PER_TOKEN, PrefixIndex, text_block_hashes
 
 if TYPE_CHECKING:
     from workers.engine import EngineSnapshot
@@ -51,10 +59,32 @@ class TtftWindow:
         return float(np.percentile([t for _, t in self._samples], 90))
 
 
+class PrefixStats:
+    """A replica's side of cache-aware routing: the routing-text hashes of the prompts it admitted
+    (:class:`~workers.text_prefix.PrefixIndex`), its characters per prompt token (moving
+    average, weight 0.1) and its engine's seconds per prefilled position (set by the replica)."""
+
+    def __init__(self):
+        self.index = PrefixIndex()
+        self.chars_per_token = DEFAULT_CHARS_PER_TOKEN
+        self.prefill_s_per_token = 0.0
+        self._samples = 0
+
+    def admitted(self, text: str, prompt_tokens: int) -> None:
+        """A request with routing text ``text`` (:func:`~workers.text_prefix.routing_text`) and
+        ``prompt_tokens`` prompt tokens was admitted."""
+        self.index.add(text_block_hashes(text))
+        if prompt_tokens > 0 and text:
+            ratio = len(text) / prompt_tokens
+            self.chars_per_token = ratio if not self._samples else 0.9 * self.chars_per_token + 0.1 * ratio
+            self._samples += 1
+
+
 def engine_stats(snapshot: EngineSnapshot, load: int, step_s: float, ttft_p90_s: float | None,
-                 max_batch_size: int, speculative_available: bool) -> dict:
+                 max_batch_size: int, speculative_available: bool, prefix: PrefixStats | None = None) -> dict:
     """The stats dict (see the module docstring) from an engine's ``snapshot()`` and the replica's
-    own numbers; ``max_batch_size`` and ``speculative_available`` are the engine's."""
+    own numbers; ``max_batch_size`` and ``speculative_available`` are the engine's; ``prefix`` the
+    replica's prefix-cache figures (None: prefix caching off)."""
     policy_stats = snapshot.spec_stats
     tau = policy_stats.get("tau") if speculative_available else None
     return {
@@ -70,4 +100,8 @@ def engine_stats(snapshot: EngineSnapshot, load: int, step_s: float, ttft_p90_s:
         "tau": float(tau) if tau else None,
         "shape": policy_stats.get("shape") or "plain",
         "ttft_p90_s": ttft_p90_s,
+        "prefix_hashes": prefix.index.report(snapshot.cached_blocks * snapshot.kv_size.block_size,
+                                             prefix.chars_per_token) if prefix else frozenset(),
+        "chars_per_token": prefix.chars_per_token if prefix else DEFAULT_CHARS_PER_TOKEN,
+        "prefill_s_per_token": prefix.prefill_s_per_token if prefix else 0.0,
     }

@@ -17,12 +17,14 @@ from __future__ import annotations
 import math
 import random
 import time
+from dataclasses import replace
 
 from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, RequestRouter, RunningReplica
 
 from cluster.ingress.protocol import DEFAULT_MAX_TOKENS
 from cluster.ingress.messages import EngineRequest
-from cluster.routing.ranking import TIE_TOLERANCE, SentSinceStats, rank_replicas
+from cluster.routing.ranking import TIE_TOLERANCE, RecentPrefixes, SentSinceStats, rank_replicas
+from workers.text_prefix import routing_text, text_block_hashes
 
 CHARS_PER_TOKEN = 3
 """Prompt tokens are estimated as characters / 3, rounded up: BPE tokenizers average about 4
@@ -47,25 +49,43 @@ def request_size(args: list) -> tuple[int, int]:
     return prompt_tokens, req.max_tokens if req.max_tokens is not None else DEFAULT_MAX_TOKENS
 
 
-class GoodputRequestRouter(RequestRouter):
-    """Orders replicas by expected completion time (``cluster.routing.ranking``).
+def prefix_hashes(args: list) -> list[int] | None:
+    """The routing-text block hashes (:mod:`workers.text_prefix`) of a ``generate`` call's
+    ``EngineRequest``; None for other calls."""
+    req = args[0] if args else None
+    if not isinstance(req, EngineRequest):
+        return None
+    return text_block_hashes(routing_text(req.prompt, req.messages, req.tools, req.sampling.cache_salt))
 
-    ``request_router_kwargs``: ``tie_tolerance`` (relative; default ``TIE_TOLERANCE``) and ``seed``
-    (of the tie-breaking random generator; default None: from the OS).
+
+class GoodputRequestRouter(RequestRouter):
+    """Orders replicas by expected completion time (``cluster.routing.ranking``), prefill of the
+    prompt positions each replica has not cached included.
+
+    ``request_router_kwargs``: ``tie_tolerance`` (relative; default ``TIE_TOLERANCE``), ``seed``
+    (of the tie-breaking random generator; default None: from the OS) and ``prefix_aware`` (weigh
+    each replica's prefix cache; default True; ``serve.prefix_aware_routing``).
     """
 
-    def initialize_state(self, tie_tolerance: float = TIE_TOLERANCE, seed: int | None = None) -> None:
+    def initialize_state(self, tie_tolerance: float = TIE_TOLERANCE, seed: int | None = None,
+                         prefix_aware: bool = True) -> None:
         self.tie_tolerance = tie_tolerance
         self.rng = random.Random(seed)
         self.sent = SentSinceStats()
+        self.prefix_aware = prefix_aware
+        self.recent = RecentPrefixes()
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
-        prompt_tokens, max_tokens = request_size(pending_request.args if pending_request is not None else [])
+        args = pending_request.args if pending_request is not None else []
+        prompt_tokens, max_tokens = request_size(args)
         now = time.monotonic()
         candidates = self.sent.candidates(
             [(r.replica_id, r.routing_stats, r.max_ongoing_requests) for r in candidate_replicas], now)
-        ranked = rank_replicas(candidates, prompt_tokens, max_tokens, self.rng, self.tie_tolerance)
+        hashes = prefix_hashes(args) if self.prefix_aware else None
+        if hashes:
+            candidates = [replace(c, recent_hashes=self.recent.of(c.replica, now)) for c in candidates]
+        ranked = rank_replicas(candidates, prompt_tokens, max_tokens, self.rng, self.tie_tolerance, hashes)
         if pending_request is not None and ranked:
             pending_request.routing_context.should_backoff = True  # every replica full: back off, then retry
             self.sent.chosen(ranked[0], pending_request.metadata.internal_request_id, prompt_tokens + max_tokens, now)
@@ -78,11 +98,14 @@ class GoodputRequestRouter(RequestRouter):
         for r in replicas:
             self.sent.observe(r.replica_id, r.routing_stats)
         self.sent.forget_except({r.replica_id for r in replicas})
+        self.recent.forget_except({r.replica_id for r in replicas})
         super().update_replicas(replicas)
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult) -> None:
         prompt_tokens, max_tokens = request_size(pending_request.args)
         self.sent.routed(replica_id, pending_request.metadata.internal_request_id, prompt_tokens + max_tokens)
+        if self.prefix_aware and (hashes := prefix_hashes(pending_request.args)):
+            self.recent.sent(replica_id, hashes, time.monotonic())
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         self.sent.completed(replica_id, internal_request_id)

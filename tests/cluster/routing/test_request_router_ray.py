@@ -104,10 +104,49 @@ def test_router_never_sends_a_long_prompt_where_it_does_not_fit_while_another_re
     asyncio.run(scenario())
 
 
+def test_router_follows_reported_and_recently_sent_prefixes():
+    from workers.text_prefix import routing_text, text_block_hashes
+
+    system = "You answer questions about the ACME billing system, politely and briefly. " * 30
+    turn = lambda q: engine_request(messages=[{"role": "system", "content": system}, {"role": "user", "content": q}])
+    cached = frozenset(text_block_hashes(routing_text(None, turn("an earlier question").messages)))
+
+    async def scenario():
+        holder = FakeReplica("holder", {**idle_stats(), "prefix_hashes": cached, "chars_per_token": 4.0})
+        other = FakeReplica("other", {**idle_stats(), "prefix_hashes": frozenset(), "chars_per_token": 4.0})
+        replicas = [other, holder]
+        for seed in range(8):
+            router = make_router(replicas)
+            router.initialize_state(seed=seed)
+            assert (await choose(router, replicas, pending(seed, turn(f"question {seed}")))) is holder
+            router.initialize_state(seed=seed, prefix_aware=False)  # today's goodput: a tie
+            await choose(router, replicas, pending(seed, turn(f"question {seed}")))
+        firsts = Counter()
+        for seed in range(16):
+            router.initialize_state(seed=seed, prefix_aware=False)
+            firsts[(await choose(router, replicas, pending(seed, turn("q")))).replica_id.unique_id] += 1
+        assert set(firsts) == {"holder", "other"}
+        # a new prefix sent to "other" is found there by its followers before any stats poll reports it
+        router = make_router(replicas)
+        new_system = [{"role": "system", "content": "A brand new system prompt for another app. " * 40}]
+        first = pending(100, engine_request(messages=new_system + [{"role": "user", "content": "hi"}]))
+        chosen = await choose(router, replicas, first)
+        router.on_request_routed(first, chosen.replica_id, result=None)
+        router.on_request_completed(chosen.replica_id, first.metadata.internal_request_id)
+        for i in range(5):  # one after another, as a conversation's turns
+            follower = pending(101 + i, engine_request(messages=new_system + [{"role": "user", "content": f"q{i}"}]))
+            assert (await choose(router, replicas, follower)) is chosen
+            router.on_request_routed(follower, chosen.replica_id, result=None)
+            router.on_request_completed(chosen.replica_id, follower.metadata.internal_request_id)
+
+    asyncio.run(scenario())
+
+
 def test_app_config_selects_the_router(tiny_config):
     goodput = request_router_options(tiny_config)["request_router_config"]
     assert goodput.request_router_class == "cluster.routing.request_router:GoodputRequestRouter"
     assert goodput.request_routing_stats_period_s <= 1.0
+    assert goodput.request_router_kwargs == {"prefix_aware": True}
     pow2_cfg = tiny_config.model_copy(update={"serve": tiny_config.serve.model_copy(update={"request_router": "pow2"})})
     assert request_router_options(pow2_cfg)["request_router_config"].is_default_request_router()
 
@@ -153,3 +192,31 @@ def counts(usage: dict) -> dict:
     """Token counts of a usage object, less ``prompt_tokens_details`` (the prefix cache's hits depend on
     which request came first)."""
     return {k: v for k, v in usage.items() if k != "prompt_tokens_details"}
+
+
+def chat_once(url: str, system: str, user: str) -> dict:
+    body = {"model": MODEL_NAME, "max_tokens": 8, "temperature": 0, "rdserve": {"mode": "plain"},
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}]}
+    r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_a_repeated_prefix_lands_on_the_replica_that_cached_it(two_replicas):
+    """Turns of one conversation go to the replica holding its prefix: first from what the router sent
+    there (before any stats poll), then, once that memory has expired, from the hashes the replica
+    reports; each is a prefix-cache hit. Both replicas are idle between turns, so without the cache
+    each turn would be a coin toss (P(6 on one replica) = 1/32)."""
+    import time
+
+    from cluster.routing.ranking import RecentPrefixes
+
+    system = ("Speculative decoding drafts several tokens; the model verifies them in one step. "
+              "Accepted tokens and a bonus token are emitted together, then the next step begins. ") * 3
+    first = chat_once(two_replicas, system, "the quick brown fox")
+    home = first["rdserve"]["replica"]
+    turns = [chat_once(two_replicas, system, f"what is the capital of France? {i}") for i in range(3)]
+    time.sleep(RecentPrefixes().ttl_s + 1)  # the router's own memory expires: only the replica's report is left
+    turns += [chat_once(two_replicas, system, f"the lazy dog {i}") for i in range(3)]
+    assert [t["rdserve"]["replica"] for t in turns] == [home] * 6
+    assert all(t["usage"]["prompt_tokens_details"]["cached_tokens"] >= 32 for t in turns), [t["usage"] for t in turns]
