@@ -306,9 +306,14 @@ class Engine:
         # earlier in this loop are still running, so the caller's failure handling ends them too.
         for seq in finished:
             self.scheduler.finish(seq)
+        seconds = time.perf_counter() - t0
+        if not plan.context:  # a generation-only iteration: a clean step-time sample for the policy
+            full = sum(1 for n in limits.values() if full_depth and n >= full_depth)
+            plain = sum(1 for n in limits.values() if n == 0)
+            self.spec_policy.observe_step(plan.spec_shape, len(plan.generation), full, plain, seconds)
         if stats:
             stats.on_iteration(len(plan.context), len(plan.generation), plan.spec_shape, len(plan.preempted),
-                               time.perf_counter() - t0)
+                               seconds)
         return deltas
 
     def _record_prompt_logprobs(self, seq: Sequence, logits: torch.Tensor, start: int) -> None:

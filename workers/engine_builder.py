@@ -111,8 +111,25 @@ def load_engine(model_path: str, drafter_path: str | None = None, options: Engin
     log.info("%s", kv_size)
     blocks = BlockManager(kv_size.num_blocks, opts.tokens_per_block, opts.enable_prefix_caching)
     executor = (executor_factory or LocalExecutor)(model, blocks.num_slots - 1)
-    return Engine(model, tokenizer, drafter, executor, blocks, kv_size, selected, lookup, opts, spec, compute,
-                  max_seq_len, threads)
+    engine = Engine(model, tokenizer, drafter, executor, blocks, kv_size, selected, lookup, opts, spec, compute,
+                    max_seq_len, threads)
+    if selected.measure_at_start and drafter is not None:
+        _seed_step_times(engine, spec.auto.start_batch_sizes)
+    return engine
+
+
+def _seed_step_times(engine: Engine, batch_sizes: list[int]) -> None:
+    """Reseed the live goodput model's step times with a start-up measurement (its calibration is of
+    another compute path or code version); a failed measurement keeps the calibration's."""
+    from workers.speculation.startup import measure_seed
+
+    costs = engine.spec_policy.costs
+    seed = measure_seed(engine, costs.shapes, batch_sizes, costs.tokens_per_step)
+    if seed is None:
+        log.warning("start-up step-time measurement: no batch size fits this engine; starting from the "
+                    "calibration's step times")
+        return
+    costs.reseed(seed)
 
 
 def _prefill_path(model, setting: str, weights) -> str:

@@ -92,6 +92,7 @@ def calibrate(
     """Measure step costs and acceptance here; derive and write the speculation table (or, with policy auto, the calibration file)."""
     from cluster.cli.common import startable_config, with_model_dir
     from cluster.replica.build import build_engine
+    from workers.code_version import code_version
     from workers.speculation.calibration import measure_step_s, measure_tokens_per_step
     from workers.speculation.schedule import derive_schedule
 
@@ -148,7 +149,8 @@ def calibrate(
     console.print(f"compute path: {engine.compute_path}")
     replaced = out.exists()
     out.write_text(json.dumps({
-        "compute_path": engine.compute_path, "draft_search": engine.speculation.draft_search,
+        "compute_path": engine.compute_path, "code_version": code_version(),
+        "draft_search": engine.speculation.draft_search,
         "prompt_lookup_num_tokens": engine.lookup.num_tokens if engine.lookup else 0,
         "batch_sizes": batches, "context_len": context_len, "repeats": repeats,
         "tokens_per_step": {str(s): v for s, v in tps.items()},

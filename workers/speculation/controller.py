@@ -16,16 +16,24 @@ The engine asks every iteration, for the number of generation requests ``b``:
   averages (weight ``ema_alpha`` per step), seeded from calibration. A replica held plain by low
   acceptance drafts one iteration in ``probe_interval * patience`` (where calibration would
   speculate), so its estimate follows traffic that became easier.
+- :meth:`SpecController.observe_step`: after a generation-only iteration, its seconds. Step times
+  are the seed table corrected by these live samples (:class:`workers.speculation.step_times.LiveStepCosts`);
+  a choice with too few samples at the current batch-size bucket runs one iteration now and then,
+  within a budget of the generation time (:mod:`workers.speculation.exploration`), so a seed that
+  makes a good choice look slow cannot hide it.
 
 Per-request state is a :class:`RequestSpecState` the engine keeps on the request (``Sequence.spec_state``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
+from workers.speculation.exploration import ProbeBudget, unexplored
 from workers.speculation.goodput import Shape, StepCosts, best_choice, break_even_tau, live_taus, rate_of
 from workers.speculation.shape import shape_text
+from workers.speculation.step_times import LiveStepCosts
 
 
 @dataclass(frozen=True)
@@ -37,6 +45,9 @@ class ControllerSettings:
     ema_alpha: weight of the newest step in the replica's tokens-per-step moving average.
     request_ema_alpha: the same for each request's own estimate (fewer steps, so a larger weight).
     probe_interval: a request decoding plain for low acceptance drafts once every this many steps.
+    step_window: live step-time samples per (batch-size bucket, choice) in the moving median.
+    explore_samples: a choice with fewer live samples than this at a bucket is probed there...
+    explore_budget: ...while probes take at most this fraction of the generation time (0: never).
     """
 
     margin: float = 0.05
@@ -44,6 +55,9 @@ class ControllerSettings:
     ema_alpha: float = 0.05
     request_ema_alpha: float = 0.2
     probe_interval: int = 8
+    step_window: int = 16
+    explore_samples: int = 2
+    explore_budget: float = 0.05
 
 
 @dataclass
@@ -64,9 +78,17 @@ class SpecController:
 
     live = True  # decides per iteration from live acceptance: every auto request may speculate
 
-    def __init__(self, costs: StepCosts, settings: ControllerSettings = ControllerSettings()):
-        self.costs = costs
+    def __init__(self, costs: StepCosts, settings: ControllerSettings = ControllerSettings(),
+                 step_time: Callable[[int, Shape | None, float], float] | None = None):
+        """costs: the seed table (a calibration, or the start-up measurement); live samples correct it.
+        step_time(b, shape, measured_s): the seconds an iteration of ``b`` requests with ``shape`` (None:
+        no tree drafted) counts as; default the measured seconds. Tests and simulations pass a
+        deterministic cost model here, so decisions do not depend on the machine's speed."""
+        self.costs = LiveStepCosts(costs, settings.step_window)
+        self.step_time = step_time
         self.settings = settings
+        self.budget = ProbeBudget(settings.explore_budget)
+        self.probing = False  # the last shape_for answered with an exploration probe
         self.current: Shape | None = None
         self.started = False
         self.switches = 0
@@ -94,6 +116,7 @@ class SpecController:
 
     def shape_for(self, b: int) -> Shape | None:
         """The shape for an iteration with ``b`` generation requests (None: plain)."""
+        self.probing = False
         if b < 1 or not self.costs.shapes:
             return None
         taus = self.taus()
@@ -107,7 +130,14 @@ class SpecController:
             self._streak = 0
         if self._streak >= self.settings.patience:
             self.current, self._streak, self.switches = best.shape, 0, self.switches + 1
-        return self._maybe_probe(b) if self.current is None else self.current
+        return self._explore(b, self._maybe_probe(b) if self.current is None else self.current)
+
+    def _explore(self, b: int, choice: Shape | None) -> Shape | None:
+        """``choice``, or instead the cheapest choice with too few step-time samples at ``b``'s bucket
+        when the probe budget affords its estimated step."""
+        waiting = unexplored(self.costs, b, choice, self.settings.explore_samples)
+        self.probing = bool(waiting) and self.budget.affords(self.costs.t(b, waiting[0]))
+        return waiting[0] if self.probing else choice
 
     def _maybe_probe(self, b: int) -> Shape | None:
         """While plain: where calibration's own acceptance would speculate at ``b`` (so plain is
@@ -125,7 +155,10 @@ class SpecController:
         return RequestSpecState()
 
     def drafts(self, state: "RequestSpecState", b: int, shape: Shape) -> bool:
-        """Whether a request with ``state`` drafts in an iteration of ``b`` requests with ``shape``."""
+        """Whether a request with ``state`` drafts in an iteration of ``b`` requests with ``shape``
+        (every request drafts in an exploration probe, whose step time is the point)."""
+        if self.probing:
+            return True
         tau = state.tau if state.tau is not None else self.taus()[shape]
         if tau >= break_even_tau(self.costs, b, shape):
             return True
@@ -145,6 +178,22 @@ class SpecController:
         state.tau = (1 - r) * state.tau + r * tokens
         a = self.settings.ema_alpha  # a new shape starts from the estimate carried over to it
         self._tau = (shape, (1 - a) * taus[shape] + a * tokens)
+
+    def observe_step(self, shape: Shape | None, num_generation: int, num_full_trees: int, num_plain: int,
+                     seconds: float) -> None:
+        """Record one generation-only iteration (no prompt chunk): ``num_generation`` requests, of which
+        ``num_full_trees`` drafted a whole tree of ``shape`` and ``num_plain`` none, in ``seconds``.
+        Only a clean iteration (all plain, or all full trees) is a step-time sample; every one counts
+        in the probe budget."""
+        if num_generation < 1 or seconds <= 0:
+            return
+        if self.step_time is not None:
+            seconds = self.step_time(num_generation, shape if num_plain < num_generation else None, seconds)
+        self.budget.record(seconds, self.probing)
+        if num_plain == num_generation:
+            self.costs.observe(num_generation, None, seconds)
+        elif shape is not None and num_full_trees == num_generation and shape in self.costs.seed.spec_s:
+            self.costs.observe(num_generation, shape, seconds)
 
     def stats(self) -> dict:
         """For routing stats and responses: current shape, live tau (None before the first iteration:

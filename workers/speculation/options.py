@@ -35,6 +35,20 @@ class AutoSettings(_Options):
     request_ema_alpha: float = Field(0.2, gt=0, le=1, description="per-request tokens-per-step moving average weight")
     probe_interval: int = Field(8, ge=1, description="a request decoding plain for low acceptance drafts once "
                                 "every this many steps")
+    step_window: int = Field(16, ge=1, description="live step-time samples per (batch-size bucket, plain or "
+                             "shape) whose median corrects the calibration's step time")
+    explore_samples: int = Field(2, ge=0, description="plain or a shape with fewer live step-time samples than "
+                                 "this at the current batch-size bucket is tried for one iteration now and then...")
+    explore_budget: float = Field(0.05, ge=0, le=1, description="...while such probes take at most this fraction "
+                                  "of the generation time (0: never probe)")
+    measure_at_start: bool = Field(True, description="when the calibration file was recorded on another compute "
+                                   "path or code version (or records none: older files), time plain and every "
+                                   "calibrated shape at start_batch_sizes for a few seconds before serving and start "
+                                   "from those step times (logged); false: start from the file's. Live iterations "
+                                   "correct either")
+    start_batch_sizes: list[Annotated[int, Field(ge=1)]] = Field(
+        [1, 8], min_length=1, description="batch sizes the start-up measurement times (those above "
+        "engine.max_batch_size are skipped)")
 
 
 class ComputePathPolicy(_Options):

@@ -3,8 +3,9 @@
 A policy answers, per iteration with ``b`` generation requests: :meth:`SpecPolicy.shape_for` (the
 draft-tree shape, or None: plain decoding); per speculative request :meth:`SpecPolicy.drafts`
 (whether it drafts now); after the iteration :meth:`SpecPolicy.observe` (what each request
-accepted). Two kinds exist: a table (:class:`workers.speculation.schedule.TablePolicy`: fixed, table
-or off) and the live goodput model (:class:`workers.speculation.controller.SpecController`).
+accepted) and :meth:`SpecPolicy.observe_step` (a generation-only iteration's seconds). Two kinds
+exist: a table (:class:`workers.speculation.schedule.TablePolicy`: fixed, table or off) and the live
+goodput model (:class:`workers.speculation.controller.SpecController`).
 
 :func:`select_policy` reads :class:`~workers.speculation.options.SpeculationOptions` for the compute
 path an engine turned out to run on (known once its weights are loaded) and returns the policy with
@@ -18,6 +19,7 @@ import logging
 from dataclasses import dataclass
 from typing import Protocol
 
+from workers.code_version import code_version
 from workers.speculation.controller import ControllerSettings, SpecController
 from workers.speculation.goodput import StepCosts
 from workers.speculation.options import SpeculationOptions
@@ -45,6 +47,10 @@ class SpecPolicy(Protocol):
 
     def observe(self, state: object | None, shape: DraftShape | None, drafted: bool, accepted: int) -> None: ...
 
+    def observe_step(self, shape: DraftShape | None, num_generation: int, num_full_trees: int, num_plain: int,
+                     seconds: float) -> None:
+        """A generation-only iteration's seconds (:meth:`workers.speculation.controller.SpecController.observe_step`)."""
+
     def stats(self) -> dict:
         """``shape`` (``BxD`` or None) and ``tau`` (tokens per drafted step, or None) for stats."""
 
@@ -57,11 +63,14 @@ class SelectedPolicy:
     spec_max_load: when a table of this compute path decides (a ``by_compute_path`` table, or the
         fallback of ``auto`` without a calibration), the load up to which requests are admitted as
         speculative (the table's largest speculating batch); None: ``speculation.spec_max_load``.
+    measure_at_start: the engine times its steps before serving and reseeds the policy's step costs
+        (:mod:`workers.speculation.startup`): the calibration is not of this compute path and code.
     """
 
     policy: SpecPolicy
     source: str
     spec_max_load: int | None = None
+    measure_at_start: bool = False
 
 
 def select_policy(opts: SpeculationOptions, compute_path: str, max_batch_size: int) -> SelectedPolicy:
@@ -79,13 +88,11 @@ def select_policy(opts: SpeculationOptions, compute_path: str, max_batch_size: i
     field = f"speculation.by_compute_path.{compute_path}"
     shape = DraftShape(opts.num_beams, opts.draft_len_per_beam)
     if entry is not None and entry.calibration is not None:
-        return SelectedPolicy(_controller(opts, entry.calibration, compute_path, f"{field}.calibration"),
-                              f"{field}.calibration")
+        return _controller(opts, entry.calibration, compute_path, f"{field}.calibration")
     if entry is not None:
         return _table(entry.table, f"{field}.table", follows_load=True)
     if opts.policy == "auto" and opts.calibration is not None:
-        return SelectedPolicy(_controller(opts, opts.calibration, compute_path, "speculation.calibration"),
-                              "speculation.calibration")
+        return _controller(opts, opts.calibration, compute_path, "speculation.calibration")
     if opts.policy == "auto":
         log.warning("speculation.policy 'auto': no calibration and no by_compute_path table for compute path %s; "
                     "speculating with %s at batch 1 only. Run `rdserve calibrate` on this machine", compute_path, shape)
@@ -102,12 +109,25 @@ def _table(table: SpecSchedule, source: str, follows_load: bool = False) -> Sele
     return SelectedPolicy(TablePolicy(table), source, largest_speculating_batch(table) if follows_load else None)
 
 
-def _controller(opts: SpeculationOptions, path, compute_path: str, field: str) -> SpecController:
+def _controller(opts: SpeculationOptions, path, compute_path: str, field: str) -> SelectedPolicy:
+    """The live goodput model seeded from calibration ``path``; a file of another compute path or code
+    version seeds it only until the start-up measurement (``speculation.auto.measure_at_start``)
+    or, without one, until live iterations replace its step times."""
+    costs = StepCosts.load(path)
     warn_if_measured_elsewhere(path, compute_path, field, opts.draft_search)
     a = opts.auto
     settings = ControllerSettings(margin=a.margin, patience=a.patience, ema_alpha=a.ema_alpha,
-                                  request_ema_alpha=a.request_ema_alpha, probe_interval=a.probe_interval)
-    return SpecController(StepCosts.load(path), settings)
+                                  request_ema_alpha=a.request_ema_alpha, probe_interval=a.probe_interval,
+                                  step_window=a.step_window, explore_samples=a.explore_samples,
+                                  explore_budget=a.explore_budget)
+    why = untrusted_step_times(path, compute_path)
+    if why is not None:
+        log.warning("%s %s %s: its step times are not trusted here (compute path %s, code %s); %s, and live "
+                    "iterations replace them", field, path, why, compute_path, code_version(),
+                    "measuring step times at start" if a.measure_at_start else
+                    "starting from them (speculation.auto.measure_at_start is off)")
+    return SelectedPolicy(SpecController(costs, settings), field,
+                          measure_at_start=why is not None and a.measure_at_start)
 
 
 def policy_text(policy: SpecPolicy) -> str:
@@ -124,6 +144,24 @@ def measured_on(path) -> tuple[str | None, str | None]:
         return data.get("compute_path", data.get("kernel")), data.get("draft_search")
     except (OSError, ValueError, AttributeError):
         return None, None  # unreadable files are reported by StepCosts.load
+
+
+def untrusted_step_times(path, compute_path: str) -> str | None:
+    """Why a calibration file's step times do not belong to this engine (None: they do): recorded on
+    another compute path, on another code version (:func:`workers.code_version.code_version`), or
+    without saying either (files of older ``rdserve calibrate``)."""
+    try:
+        data = json.loads(open(path).read())
+        measured, version = data.get("compute_path", data.get("kernel")), data.get("code_version")
+    except (OSError, ValueError, AttributeError):
+        return "is unreadable"
+    if measured is None or version is None:
+        return "does not record the compute path and code version it was measured on"
+    if measured != compute_path:
+        return f"was measured on compute path {measured}"
+    if version != code_version():
+        return f"was measured on code version {version}"
+    return None
 
 
 def warn_if_measured_elsewhere(path, compute_path: str, field: str, draft_search: str | None = None) -> None:

@@ -218,6 +218,10 @@ class TablePolicy:
             tokens = 1.0 + accepted
             self._tau = tokens if self._tau is None else (1 - self.ema_alpha) * self._tau + self.ema_alpha * tokens
 
+    def observe_step(self, shape: Shape | None, num_generation: int, num_full_trees: int, num_plain: int,
+                     seconds: float) -> None:
+        """A table learns nothing from step times."""
+
     def stats(self) -> dict:
         """``shape`` of the last iteration (``"BxD"`` or None) and ``tau``: tokens per drafted step
         (None before any draft, and before the first iteration), 1.0 while decoding plain."""

@@ -1,5 +1,7 @@
 """``speculation.policy: auto`` on a real (tiny) engine: the live goodput model decides per iteration.
 
+Its step times come from a deterministic source (``table_step_time(COSTS)``), not the test machine's clock.
+
 Whatever it decides (shape, plain, per-request gating), greedy output stays the requests' plain
 output; high load turns speculation off; traffic whose drafts fail turns it off by itself.
 """
@@ -8,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 
+from step_costs import table_step_time
 from workers.speculation.goodput import StepCosts
 from workers.speculation.controller import ControllerSettings, SpecController
 from workers.engine import Engine
@@ -42,7 +45,7 @@ def decode_all(engine: Engine, ids: list[list[int]], mode: str, max_tokens: int 
 
 
 def test_auto_is_lossless_and_switches_off_under_load(tiny_model_dirs, trained_drafter_dirs):
-    controller = SpecController(COSTS, ControllerSettings(margin=0.05, patience=2))
+    controller = SpecController(COSTS, ControllerSettings(margin=0.05, patience=2), step_time=table_step_time(COSTS))
     engine = make_engine(tiny_model_dirs, trained_drafter_dirs, controller)
     assert engine.spec_policy.live
     ids = prompts(engine, 8)
@@ -60,7 +63,8 @@ def test_auto_is_lossless_and_switches_off_under_load(tiny_model_dirs, trained_d
 
 
 def test_hard_traffic_turns_speculation_off_by_itself(tiny_model_dirs, trained_drafter_dirs, monkeypatch):
-    controller = SpecController(COSTS, ControllerSettings(margin=0.05, patience=2, ema_alpha=0.3, probe_interval=4))
+    controller = SpecController(COSTS, ControllerSettings(margin=0.05, patience=2, ema_alpha=0.3, probe_interval=4),
+                                step_time=table_step_time(COSTS))
     engine = make_engine(tiny_model_dirs, trained_drafter_dirs, controller)
     ids = prompts(engine, 1)
     plain = decode_all(engine, ids, "plain", max_tokens=60)
@@ -83,7 +87,8 @@ def test_hard_traffic_turns_speculation_off_by_itself(tiny_model_dirs, trained_d
 @pytest.mark.parametrize("batch", [3])
 def test_per_request_gating_keeps_outputs(tiny_model_dirs, trained_drafter_dirs, batch):
     """A request whose own acceptance is below break-even decodes plain; outputs do not change."""
-    controller = SpecController(COSTS, ControllerSettings(margin=0.05, patience=2, probe_interval=3))
+    controller = SpecController(COSTS, ControllerSettings(margin=0.05, patience=2, probe_interval=3),
+                                step_time=table_step_time(COSTS))
     engine = make_engine(tiny_model_dirs, trained_drafter_dirs, controller)
     ids = prompts(engine, batch)
     plain = decode_all(engine, ids, "plain")
@@ -102,10 +107,13 @@ def test_per_request_gating_keeps_outputs(tiny_model_dirs, trained_drafter_dirs,
 
 
 def _calibration(path, kernel: str, spec_at_1: float):
-    """A calibration JSON (``rdserve calibrate``'s form) for the tiny engine's 2x3 shape."""
+    """A calibration JSON (``rdserve calibrate``'s form, recorded by this code) for the tiny engine's 2x3 shape."""
     import json
 
-    path.write_text(json.dumps({"compute_path": kernel, "plain_step_s": {"1": 0.010, "8": 0.040},
+    from workers.code_version import code_version
+
+    path.write_text(json.dumps({"compute_path": kernel, "code_version": code_version(),
+                                "plain_step_s": {"1": 0.010, "8": 0.040},
                                 "spec_step_s": {"1:2x3": spec_at_1, "8:2x3": 0.090}, "tokens_per_step": {"2x3": 2.0}}))
     return path
 
@@ -125,10 +133,10 @@ def test_each_compute_path_reads_its_own_calibration(tiny_config, tmp_path):
     mine = _calibration(tmp_path / "mine.json", path, 0.012)
     other = _calibration(tmp_path / "other.json", "cuda", 0.500)
     engine = engine_with(policy="auto", by_compute_path={path: {"calibration": mine}, "cuda": {"calibration": other}})
-    assert engine.spec_policy.live and engine.spec_policy.costs.spec_s[(2, 3)][1] == 0.012
+    assert engine.spec_policy.live and engine.spec_policy.costs.seed.spec_s[(2, 3)][1] == 0.012
     assert engine.spec_policy.shape_for(1) == (2, 3)  # this path's costs: the tree pays alone
     engine = engine_with(policy="auto", by_compute_path={"cuda": {"calibration": other}}, calibration=mine)
-    assert engine.spec_policy.costs.spec_s[(2, 3)][1] == 0.012  # no entry for this path: speculation.calibration
+    assert engine.spec_policy.costs.seed.spec_s[(2, 3)][1] == 0.012  # no entry for this path: speculation.calibration
     table = [{"max_batch_size": 3, "num_beams": 1, "draft_len_per_beam": 2}]
     engine = engine_with(policy="auto", by_compute_path={"cuda": {"calibration": other}, path: {"table": table}})
     assert [r.model_dump() for r in engine.spec_policy.table] == table  # then its table
@@ -142,7 +150,7 @@ def test_a_request_forcing_spec_drafts_every_step_while_the_model_decodes_the_re
     """8 requests: in the iterations where the goodput model decodes plain, the one request that forces
     ``spec`` (a tester's ``rdserve: {mode: spec}`` drew no drafts under ``auto``) still drafts, alone;
     outputs stay plain's."""
-    controller = SpecController(COSTS, ControllerSettings(margin=0.05, patience=2))
+    controller = SpecController(COSTS, ControllerSettings(margin=0.05, patience=2), step_time=table_step_time(COSTS))
     engine = make_engine(tiny_model_dirs, trained_drafter_dirs, controller)
     ids = prompts(engine, 8)
     plain = decode_all(engine, ids, "plain")

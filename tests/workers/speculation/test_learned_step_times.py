@@ -1,0 +1,96 @@
+"""The live goodput model given a wrong calibration converges to the right choice from its own steps.
+
+The replica is simulated: every iteration asks the controller as the engine does (shape, per-request
+drafting, accepted tokens, the step's seconds), with step times from a true cost table (a
+deterministic source, so nothing depends on the test machine's speed) and the accepted tokens that
+give each shape its true tokens per step. Default settings: what a replica runs with.
+"""
+
+import pytest
+
+from step_costs import table_step_time
+from workers.speculation.controller import SpecController
+from workers.speculation.goodput import StepCosts, best_choice, rate_of
+
+# Step times in the proportions of a 135M model's on a CPU (issue 35's table): a tree pays alone,
+# plain pays at 8 requests.
+TAUS = {(1, 1): 1.55, (1, 2): 1.71, (2, 2): 1.91, (4, 4): 2.24}
+TRUE = StepCosts(plain_s={1: 0.0055, 16: 0.026},
+                 spec_s={(1, 1): {1: 0.007, 16: 0.054}, (1, 2): {1: 0.008, 16: 0.070},
+                         (2, 2): {1: 0.010, 16: 0.101}, (4, 4): {1: 0.018, 16: 0.270}},
+                 tokens_per_step=TAUS)
+
+
+def scaled(plain: float, spec: float) -> StepCosts:
+    """TRUE with plain step times times ``plain`` and tree step times times ``spec``."""
+    return StepCosts(plain_s={b: t * plain for b, t in TRUE.plain_s.items()},
+                     spec_s={s: {b: t * spec for b, t in row.items()} for s, row in TRUE.spec_s.items()},
+                     tokens_per_step=TAUS)
+
+
+def looks_free() -> StepCosts:
+    """Speculation made to look free: every tree costs what a plain step costs."""
+    return StepCosts(plain_s=TRUE.plain_s, spec_s={s: dict(TRUE.plain_s) for s in TRUE.spec_s}, tokens_per_step=TAUS)
+
+
+WRONG = {"trees 3x too slow": lambda: scaled(1.0, 3.0), "plain 3x too slow": lambda: scaled(3.0, 1.0),
+         "speculation free": looks_free}
+BOUND = 1000  # iterations within which the choice must settle (seconds of serving at these step times)
+
+
+def right_choices(b: int, margin: float) -> set:
+    """Plain or shapes whose true tokens/s at ``b`` is within the hysteresis ``margin`` of the best
+    (the controller does not switch for less)."""
+    best = best_choice(TRUE, b, TAUS).rate
+    return {c for c in (None, *TAUS) if rate_of(TRUE, b, c, TAUS) * (1 + margin) >= best}
+
+
+def run(controller: SpecController, b: int, iterations: int) -> list:
+    """Drive ``controller`` for ``iterations`` iterations of ``b`` requests; the shape of each."""
+    states = [controller.new_request_state() for _ in range(b)]
+    carry = dict.fromkeys(TAUS, 0.0)  # accepted tokens owed, so each shape averages its true tau
+    shapes = []
+    for _ in range(iterations):
+        shape = controller.shape_for(b)
+        drafted = 0
+        for state in states:
+            drafts = shape is not None and controller.drafts(state, b, shape)
+            accepted = 0
+            if drafts:
+                carry[shape] += TAUS[shape] - 1.0
+                accepted = int(carry[shape])
+                carry[shape] -= accepted
+            drafted += drafts
+            controller.observe(state, shape, drafts, accepted)
+        controller.observe_step(shape, b, drafted, b - drafted, 1.0)  # 1.0: the measured seconds, replaced
+        shapes.append(shape if drafted else None)
+    return shapes
+
+
+# (calibration, batch size, whether it misleads there at first): trees 3x too slow hide the tree that
+# pays alone; plain 3x too slow makes trees look right at 8; free trees look right everywhere
+CASES = [("trees 3x too slow", 1, True), ("trees 3x too slow", 8, False), ("plain 3x too slow", 1, False),
+         ("plain 3x too slow", 8, True), ("speculation free", 1, True), ("speculation free", 8, True)]
+
+
+@pytest.mark.parametrize("wrong,b,misleads", CASES)
+def test_a_wrong_calibration_gives_way_to_live_step_times(wrong, b, misleads):
+    controller = SpecController(WRONG[wrong](), step_time=table_step_time(TRUE))
+    right = right_choices(b, controller.settings.margin)
+    assert (best_choice(controller.costs, b, TAUS).shape not in right) == misleads
+    shapes = run(controller, b, 3 * BOUND)
+    settled = max((i + 1 for i, s in enumerate(shapes) if s not in right), default=0)
+    assert controller.current in right
+    assert settled <= BOUND, (wrong, b, settled)
+
+
+def test_the_right_calibration_costs_few_probes():
+    """A calibration that is right: the choice never changes, and probes take at most the budget."""
+    for b in (1, 8):
+        controller = SpecController(TRUE, step_time=table_step_time(TRUE))
+        right = best_choice(TRUE, b, TAUS).shape
+        shapes = run(controller, b, BOUND)
+        probe_time = sum(TRUE.t_plain(b) if s is None else TRUE.t_spec(b, s) for s in shapes if s != right)
+        total = sum(TRUE.t_plain(b) if s is None else TRUE.t_spec(b, s) for s in shapes)
+        assert controller.current == right and controller.switches == 0
+        assert probe_time <= controller.settings.explore_budget * total + 1e-9

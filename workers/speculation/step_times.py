@@ -1,0 +1,119 @@
+"""Step times learned from the replica's own iterations, over a seed table.
+
+The goodput model (:mod:`workers.speculation.goodput`) needs ``t_plain(b)`` and ``t_spec(b, s)``:
+seconds per generation step at batch ``b``, plain or with draft-tree shape ``s``. A table measured
+elsewhere (another CPU, older code) can be several times off, so :class:`LiveStepCosts` corrects its
+seed with what the engine measures on every generation-only iteration:
+
+    t(b, c) = seed_t(b, c) * ratio(bucket(b), c)
+
+for each choice ``c`` (plain, or a shape), where ``ratio`` is the moving median of ``measured /
+seed_t`` over the last ``window`` clean samples of that (batch-size bucket, choice). A bucket without
+samples borrows the nearest sampled bucket's ratio of the same choice (a kernel that got 3x faster is
+3x faster at every batch size); a choice never sampled keeps its seed (nothing says how wrong it
+is: :class:`workers.speculation.controller.SpecController` probes it). The seed's shape in ``b``
+interpolates within a bucket; the live figures set the level. A median, not a mean: one iteration
+slowed by another process on the core moves nothing.
+
+Buckets are powers of two: 1, 2, 3-4, 5-8, 9-16, ...
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+
+from workers.speculation.goodput import Shape, StepCosts
+
+Choice = Shape | None  # None: plain decoding
+
+
+def batch_bucket(b: int) -> int:
+    """The bucket of batch size ``b``: the smallest power of two >= ``b`` (1, 2, 4, 8, ...).
+
+    Raises:
+        ValueError: ``b < 1``.
+    """
+    if b < 1:
+        raise ValueError(f"batch size must be >= 1, got {b}")
+    return 1 << (b - 1).bit_length()
+
+
+class LiveStepCosts:
+    """Seed step costs corrected by live samples; the same reading interface as
+    :class:`~workers.speculation.goodput.StepCosts` (``shapes``, ``tokens_per_step``, ``t_plain``,
+    ``t_spec``), so the goodput functions take either. Engine thread only (not thread-safe).
+
+    seed: the table the estimates start from (a calibration file, or the start-up measurement).
+    window: samples per (bucket, choice) the moving median runs over.
+    """
+
+    def __init__(self, seed: StepCosts, window: int = 16):
+        if window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
+        self.seed = seed
+        self.window = window
+        self._samples: dict[tuple[int, Choice], deque[float]] = {}
+        self._ratio: dict[tuple[int, Choice], float] = {}
+
+    @property
+    def shapes(self) -> list[Shape]:
+        return self.seed.shapes
+
+    @property
+    def tokens_per_step(self) -> dict[Shape, float]:
+        return self.seed.tokens_per_step
+
+    def seed_t(self, b: float, choice: Choice) -> float:
+        """The seed's seconds per step at ``b`` for ``choice``."""
+        return self.seed.t_plain(b) if choice is None else self.seed.t_spec(b, choice)
+
+    def t(self, b: float, choice: Choice) -> float:
+        """Estimated seconds per step at ``b`` for ``choice`` (None: plain)."""
+        return self.seed_t(b, choice) * self.ratio(max(1, round(b)), choice)
+
+    def t_plain(self, b: float) -> float:
+        return self.t(b, None)
+
+    def t_spec(self, b: float, shape: Shape) -> float:
+        return self.t(b, shape)
+
+    def ratio(self, b: int, choice: Choice) -> float:
+        """measured / seed at ``b``'s bucket for ``choice``: its own samples, else the nearest sampled
+        bucket's (the smaller on a tie), else 1.0 (never sampled)."""
+        bucket = batch_bucket(b)
+        own = self._ratio.get((bucket, choice))
+        if own is not None:
+            return own
+        sampled = [k for k, c in self._ratio if c == choice]
+        if not sampled:
+            return 1.0
+        nearest = min(sampled, key=lambda k: (abs(k.bit_length() - bucket.bit_length()), k))
+        return self._ratio[nearest, choice]
+
+    def samples(self, b: int, choice: Choice) -> int:
+        """Live samples held for ``b``'s bucket and ``choice`` (at most ``window``)."""
+        return len(self._samples.get((batch_bucket(b), choice), ()))
+
+    def observe(self, b: int, choice: Choice, seconds: float) -> None:
+        """One clean generation-only iteration: ``b`` requests, all plain (``choice`` None) or all
+        drafting with ``choice``, took ``seconds``.
+
+        Raises:
+            ValueError: ``b < 1``, ``seconds`` not > 0, or a shape the seed does not time.
+        """
+        if not seconds > 0:
+            raise ValueError(f"step seconds must be > 0, got {seconds}")
+        if choice is not None and choice not in self.seed.spec_s:
+            raise ValueError(f"shape {choice} is not in the step-cost table")
+        key = (batch_bucket(b), choice)
+        window = self._samples.setdefault(key, deque(maxlen=self.window))
+        window.append(seconds / self.seed_t(b, choice))
+        self._ratio[key] = statistics.median(window)
+
+    def reseed(self, seed: StepCosts) -> None:
+        """Start over from ``seed`` (a fresh measurement): live samples so far are dropped, since their
+        ratios were taken against the old seed."""
+        self.seed = seed
+        self._samples.clear()
+        self._ratio.clear()
