@@ -1,0 +1,187 @@
+"""Routing that follows the prefix cache: two replicas, the same multi-turn traffic, three routers.
+
+The conversations of ``benchmarks/prefix_cache.py`` (``--prompts`` user turns behind its ~500-token
+system prompt; a conversation's turn k carries the whole conversation so far), served by CONFIG with
+``serve.replicas: 2``, prefix caching on, and each of:
+
+- ``pow2``: Ray Serve's default router (``serve.request_router: pow2``);
+- ``goodput``: rdserve's goodput router without the cache (``serve.prefix_aware_routing: false``);
+- ``goodput+prefix``: the goodput router that counts each replica's uncached prefill (the default).
+
+Each (router, concurrency) runs on a freshly started ``rdserve up``, so no level finds another's cached
+blocks; the routers' order rotates from level to level, so machine drift hits all three. Per row: TTFT
+p50/p90 (all turns and turns >= 2, where a conversation's history can be cached), output tokens/s, the
+cache hit rate (``usage.prompt_tokens_details.cached_tokens`` / ``prompt_tokens``), and the share of
+turns >= 2 served by the replica that served the conversation's previous turn. Per concurrency: TTFT
+p50 and tokens/s of each goodput router against pow2's (targets: goodput+prefix TTFT p50 <= 0.6x,
+tokens/s >= 1.0x). Prints Markdown tables naming the CPU and compute path; writes JSON with the command.
+
+On a machine with few cores set ``engine.num_threads`` so the two replicas do not oversubscribe them
+(``--threads``; default: cores / 2).
+
+Usage:
+    python benchmarks/prefix_routing.py --config configs/local.yaml --num-conversations 24 \\
+        --concurrency 4,16 --out benchmarks/results/prefix_routing
+    python benchmarks/prefix_routing.py --num-conversations 2 --min-turns 3 --max-turns 3 \\
+        --concurrency 2 --max-tokens 8 --out /tmp/prefix_routing_smoke          # a quick check
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shlex
+import sys
+import tempfile
+from pathlib import Path
+
+import httpx
+import yaml
+from bench_ports import free_port
+from bench_prompts import DATASETS
+from bench_report import write_report
+from bench_serve import absolute_paths
+from prefix_cache import SYSTEM_PROMPT, conversations, fmt, percentile_ms, run_level, summarize, user_turns, warm_up
+from served_vs_engine import start_server, stop_server
+
+from cluster.config import load_config
+from workers.kernels.build import cpu_model
+
+ROUTERS = {
+    "pow2": {"request_router": "pow2"},
+    "goodput": {"request_router": "goodput", "prefix_aware_routing": False},
+    "goodput+prefix": {"request_router": "goodput", "prefix_aware_routing": True},
+}
+
+
+def router_config(config: Path, router: str, threads: int, out_dir: Path) -> tuple[Path, int]:
+    """CONFIG with two replicas, prefix caching on, ``router``'s serve fields, ``threads`` engine threads
+    per replica and free ports; returns the copy's path and HTTP port."""
+    data = absolute_paths(yaml.safe_load(config.read_text()) or {}, config.resolve().parent)
+    data["engine"] = {**(data.get("engine") or {}), "enable_prefix_caching": True, "num_threads": threads}
+    port = free_port()
+    data["serve"] = {**(data.get("serve") or {}), **ROUTERS[router], "replicas": 2, "autoscaling": None,
+                     "port": port}
+    data["observability"] = {**(data.get("observability") or {}), "metrics_port": free_port()}
+    path = out_dir / f"router_{router.replace('+', '_')}.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    load_config(path)  # fail here, naming the field, rather than in the server
+    return path, port
+
+
+def affinity(records: list[dict]) -> float | None:
+    """Share of turns >= 2 served by the replica of the conversation's previous turn."""
+    by_conv: dict = {}
+    for r in sorted(records, key=lambda r: (r["conversation"], r["turn"])):
+        by_conv.setdefault(r["conversation"], []).append((r.get("rdserve") or {}).get("replica"))
+    pairs = [(a, b) for reps in by_conv.values() for a, b in zip(reps, reps[1:])]
+    return sum(a == b and a is not None for a, b in pairs) / len(pairs) if pairs else None
+
+
+def serve_level(config: Path, router: str, convs: list[dict], concurrency: int, model: str, tmp: Path,
+                args) -> dict:
+    path, port = router_config(config, router, args.threads, tmp)
+    base_url = f"http://127.0.0.1:{port}"
+    proc = start_server(str(path), base_url)
+    try:
+        warm_up(base_url, model, args)
+        records, wall = asyncio.run(run_level(base_url, model, convs, concurrency, args))
+        health = httpx.get(f"{base_url}/health", timeout=30.0).json()
+    finally:
+        stop_server(proc)
+    summary = summarize(records, wall)
+    later = [r["ttft_s"] for r in records if r["turn"] >= 2 and r["ttft_s"] is not None]
+    summary["ttft_p50_ms_turn2plus"] = percentile_ms(later, 50)
+    summary["ttft_p90_ms_turn2plus"] = percentile_ms(later, 90)
+    summary["affinity"] = affinity(records)
+    summary["replicas_used"] = sorted({(r.get("rdserve") or {}).get("replica") or "?" for r in records})
+    summary["compute_path"] = health.get("compute_path")
+    summary["records"] = [{k: v for k, v in r.items() if k != "text"} for r in records]
+    return summary
+
+
+def report(args, results: dict, levels: list[int]) -> str:
+    convs = results["conversations"]
+    turns = [len(c["lines"]) for c in convs]
+    lines = [f"CPU: {results['cpu']}; compute path: {results['compute_path']}; config {args.config}, 2 replicas x "
+             f"{args.threads} thread(s), prefix caching on; {len(convs)} conversations of {min(turns)}-{max(turns)} "
+             f"turns ({sum(turns)} requests per row) from {Path(args.prompts).name}, greedy, max_tokens "
+             f"{args.max_tokens}; a fresh server per row", "",
+             "| concurrency | router | TTFT p50 ms | TTFT p90 ms | p50 turn 2+ | p90 turn 2+ | output tok/s | "
+             "hit rate | same replica as previous turn |", "|---|---|---|---|---|---|---|---|---|"]
+    for c in levels:
+        for router in ROUTERS:
+            s = results["levels"][f"{router} c={c}"]
+            lines.append(f"| {c} | {router} | {fmt(s['ttft_p50_ms'])} | {fmt(s['ttft_p90_ms'])} | "
+                         f"{fmt(s['ttft_p50_ms_turn2plus'])} | {fmt(s['ttft_p90_ms_turn2plus'])} | "
+                         f"{s['output_tokens_per_s']:.1f} | {fmt(s['hit_rate'], '.1%')} | {fmt(s['affinity'], '.0%')} |")
+    lines += ["", "| concurrency | router | TTFT p50 vs pow2 | target | tok/s vs pow2 | target |", "|---|---|---|---|---|---|"]
+    for c in levels:
+        for router in ("goodput", "goodput+prefix"):
+            cmp = results["comparison"][f"{router} c={c}"]
+            target = router == "goodput+prefix"
+            lines.append(f"| {c} | {router} | {fmt(cmp['ttft_p50_ratio'], '.2f')}x | {'<= 0.6x' if target else '-'} | "
+                         f"{fmt(cmp['tokens_per_s_ratio'], '.2f')}x | {'>= 1.0x' if target else '-'} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default="configs/local.yaml", help="rdserve config served (two replicas of it)")
+    ap.add_argument("--prompts", default=str(DATASETS / "broad/dev.jsonl"), help="prompt JSONL whose single-turn "
+                    "chat rows are the user turns")
+    ap.add_argument("--num-conversations", type=int, default=24, help="conversations per (router, concurrency)")
+    ap.add_argument("--min-turns", type=int, default=4, help="user turns per conversation, at least")
+    ap.add_argument("--max-turns", type=int, default=8, help="user turns per conversation, at most")
+    ap.add_argument("--max-turn-tokens", type=int, default=128, help="longest user turn, in tokens")
+    ap.add_argument("--max-tokens", type=int, default=64, help="completion tokens per request (at most)")
+    ap.add_argument("--concurrency", default="4,16", help="comma-separated closed-loop concurrency levels")
+    ap.add_argument("--mode", choices=["auto", "spec", "plain"], help="rdserve.mode of every request "
+                    "(default: the server's)")
+    ap.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2),
+                    help="engine.num_threads of each replica")
+    ap.add_argument("--seed", type=int, default=0, help="draws the conversations")
+    ap.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    ap.add_argument("--out", default="benchmarks/results/prefix_routing", help="output path without suffix")
+    args = ap.parse_args()
+    if not 1 <= args.min_turns <= args.max_turns:
+        ap.error("need 1 <= --min-turns <= --max-turns")
+    levels = [int(c) for c in args.concurrency.split(",")]
+
+    from workers.models.pull import pull_default
+    from workers.models.tokenizer import load_tokenizer
+
+    cfg = load_config(args.config)
+    tokenizer = load_tokenizer(cfg.model.path or pull_default())
+    convs = conversations(user_turns(args.prompts, tokenizer, args.max_turn_tokens), args, tokenizer,
+                          cfg.engine.max_seq_len)
+    results: dict = {"command": shlex.join(["python", *sys.argv]), "cpu": cpu_model(), "args": vars(args),
+                     "system_prompt_tokens": len(tokenizer.encode(SYSTEM_PROMPT, add_special_tokens=False)),
+                     "conversations": [{"id": c["id"], "lines": c["lines"]} for c in convs], "levels": {},
+                     "comparison": {}}
+    names = list(ROUTERS)
+    with tempfile.TemporaryDirectory(prefix="rdserve-routing-") as tmp:
+        for i, c in enumerate(levels):
+            for router in names[i % 3:] + names[:i % 3]:
+                print(f"{router}, concurrency {c}: {len(convs)} conversations...", flush=True)
+                s = serve_level(Path(args.config), router, convs, c, cfg.model.name, Path(tmp), args)
+                results["levels"][f"{router} c={c}"] = s
+                print(f"{router} c={c}: TTFT p50 {fmt(s['ttft_p50_ms'])} ms (turn 2+ {fmt(s['ttft_p50_ms_turn2plus'])}), "
+                      f"{s['output_tokens_per_s']:.1f} tok/s, hit rate {fmt(s['hit_rate'], '.1%')}, same replica "
+                      f"{fmt(s['affinity'], '.0%')}, replicas {len(s['replicas_used'])}", flush=True)
+            base = results["levels"][f"pow2 c={c}"]
+            for router in ("goodput", "goodput+prefix"):
+                s = results["levels"][f"{router} c={c}"]
+                results["comparison"][f"{router} c={c}"] = {
+                    "ttft_p50_ratio": s["ttft_p50_ms"] / base["ttft_p50_ms"] if s["ttft_p50_ms"] and base["ttft_p50_ms"] else None,
+                    "tokens_per_s_ratio": s["output_tokens_per_s"] / base["output_tokens_per_s"],
+                }
+    results["compute_path"] = results["levels"][f"pow2 c={levels[0]}"]["compute_path"]
+    table = report(args, results, levels)
+    print(table)
+    write_report(args.out, table, results)
+
+
+if __name__ == "__main__":
+    main()
