@@ -136,7 +136,7 @@ class SpecController:
         """``choice``, or instead the cheapest choice with too few step-time samples at ``b``'s bucket
         when the probe budget affords its estimated step."""
         waiting = unexplored(self.costs, b, choice, self.settings.explore_samples)
-        self.probing = bool(waiting) and self.budget.affords(self.costs.t(b, waiting[0]))
+        self.probing = bool(waiting) and self.budget.affords(self.costs.probe_t(b, waiting[0]))
         return waiting[0] if self.probing else choice
 
     def _maybe_probe(self, b: int) -> Shape | None:

@@ -44,4 +44,4 @@ def unexplored(costs: LiveStepCosts, b: int, exclude: Choice, min_samples: int) 
     samples at ``b``'s bucket, cheapest estimated step first (ties: plain, then the smaller tree)."""
     choices: list[Choice] = [None, *costs.shapes]
     waiting = [c for c in choices if c != exclude and costs.samples(b, c) < min_samples]
-    return sorted(waiting, key=lambda c: (costs.t(b, c), c is not None, c[0] * c[1] if c else 0))
+    return sorted(waiting, key=lambda c: (costs.probe_t(b, c), c is not None, c[0] * c[1] if c else 0))

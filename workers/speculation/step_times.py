@@ -91,6 +91,14 @@ class LiveStepCosts:
         nearest = min(sampled, key=lambda k: (abs(k.bit_length() - bucket.bit_length()), k))
         return self._ratio[nearest, choice]
 
+    def probe_t(self, b: float, choice: Choice) -> float:
+        """What a step of ``choice`` at ``b`` is expected to cost when probed: :meth:`t`, but a choice
+        never sampled takes the median ratio of all that were (a seed several times off for one choice
+        likely is for the others; :meth:`t` does not assume it, since it decides between them)."""
+        if any(c == choice for _, c in self._ratio) or not self._ratio:
+            return self.t(b, choice)
+        return self.seed_t(b, choice) * statistics.median(self._ratio.values())
+
     def samples(self, b: int, choice: Choice) -> int:
         """Live samples held for ``b``'s bucket and ``choice`` (at most ``window``)."""
         return len(self._samples.get((batch_bucket(b), choice), ()))

@@ -22,6 +22,9 @@ def test_calibrate_writes_the_schedule_its_figures_imply(tiny_config_path, tmp_p
     assert result.exit_code == 0, result.output
     figures = json.loads(out.read_text())
     assert figures["draft_search"] == load_config(config).speculation.draft_search  # what the tokens per step were measured with
+    from workers.code_version import code_version
+
+    assert figures["code_version"] == code_version()  # replicas of this code trust its step times
     assert set(figures["plain_step_s"]) == {"1", "3"}
     assert set(figures["spec_step_s"]) == {"1:1x2", "1:2x2", "3:1x2", "3:2x2"}
     assert all(v > 0 for v in figures["plain_step_s"].values())

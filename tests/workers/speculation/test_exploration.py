@@ -15,8 +15,9 @@ def test_unexplored_lists_choices_short_of_samples_cheapest_first():
     live.observe(1, None, 0.010)
     live.observe(1, (4, 4), 0.003)  # one sample: cheap now, still short of 2
     assert unexplored(live, 1, (2, 2), 2) == [(4, 4), (1, 2)]
-    # another bucket: nothing sampled there; (4, 4) borrows its cheap ratio from bucket 1
-    assert unexplored(live, 4, (2, 2), 2) == [(4, 4), None, (1, 2)]
+    # another bucket: nothing sampled there; (4, 4) and plain borrow their ratios from bucket 1, and (1, 2),
+    # never sampled, is expected at the median ratio of the others (0.55)
+    assert unexplored(live, 4, (2, 2), 2) == [(4, 4), (1, 2), None]
     assert unexplored(live, 1, None, 0) == []
 
 

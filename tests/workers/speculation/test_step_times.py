@@ -58,3 +58,12 @@ def test_bad_samples_are_refused():
         live.observe(1, (4, 4), 0.01)
     with pytest.raises(ValueError, match="window"):
         LiveStepCosts(SEED, window=0)
+
+
+def test_a_probe_of_a_choice_never_sampled_expects_the_scale_seen_elsewhere():
+    live = LiveStepCosts(SEED)
+    assert live.probe_t(1, (2, 2)) == 0.020  # nothing sampled: the seed
+    live.observe(1, None, 0.001)  # everything here runs 10x faster than the seed says
+    assert live.probe_t(1, (2, 2)) == pytest.approx(0.002)
+    assert live.t(1, (2, 2)) == 0.020  # decisions do not assume it
+    assert live.probe_t(1, None) == pytest.approx(0.001)
