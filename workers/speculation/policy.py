@@ -49,7 +49,7 @@ class SpecPolicy(Protocol):
 
     def observe_step(self, shape: DraftShape | None, num_generation: int, num_full_trees: int, num_plain: int,
                      seconds: float) -> None:
-        """A generation-only iteration's seconds (:meth:`workers.speculation.controller.SpecController.observe_step`)."""
+        """A generation-only iteration's seconds (see ``SpecController.observe_step``)."""
 
     def stats(self) -> dict:
         """``shape`` (``BxD`` or None) and ``tau`` (tokens per drafted step, or None) for stats."""
@@ -155,10 +155,11 @@ def untrusted_step_times(path, compute_path: str) -> str | None:
         measured, version = data.get("compute_path", data.get("kernel")), data.get("code_version")
     except (OSError, ValueError, AttributeError):
         return "is unreadable"
-    if measured is None or version is None:
-        return "does not record the compute path and code version it was measured on"
-    if measured != compute_path:
+    if measured is not None and measured != compute_path:
         return f"was measured on compute path {measured}"
+    if measured is None or version is None:
+        return f"does not record the {'compute path' if measured is None else 'code version'} it was measured on " \
+               "(an older `rdserve calibrate`)"
     if version != code_version():
         return f"was measured on code version {version}"
     return None

@@ -26,8 +26,8 @@ TAUS = {(1, 2): 1.8, (2, 3): 2.2}
 # A tree that pays alone whatever the tiny drafter accepts (1.1x a plain step) and loses at 8 (4x).
 TRUE = StepCosts(plain_s={1: 0.010, 8: 0.020}, spec_s={(1, 2): {1: 0.011, 8: 0.080}, (2, 3): {1: 0.011, 8: 0.080}},
                  tokens_per_step=TAUS)
-TREES_SLOW = StepCosts(plain_s=TRUE.plain_s, spec_s={s: {b: 3 * t for b, t in r.items()} for s, r in TRUE.spec_s.items()},
-                       tokens_per_step=TAUS)
+TREES_SLOW = StepCosts(plain_s=TRUE.plain_s, tokens_per_step=TAUS,
+                       spec_s={s: {b: 3 * t for b, t in r.items()} for s, r in TRUE.spec_s.items()})
 TREES_FREE = StepCosts(plain_s=TRUE.plain_s, spec_s={s: dict(TRUE.plain_s) for s in TRUE.spec_s},
                        tokens_per_step=TAUS)
 
@@ -69,7 +69,8 @@ def test_real_iterations_fill_the_live_estimates(tiny_model_dirs, trained_drafte
 
 @pytest.mark.parametrize("b,seed,right", [(1, TREES_SLOW, {(1, 2), (2, 3)}), (8, TREES_FREE, {None})])
 def test_a_wrong_calibration_gives_way_on_a_real_engine(tiny_model_dirs, trained_drafter_dirs, b, seed, right):
-    controller = SpecController(seed, ControllerSettings(patience=2, explore_budget=0.2), step_time=table_step_time(TRUE))
+    controller = SpecController(seed, ControllerSettings(patience=2, explore_budget=0.2),
+                                step_time=table_step_time(TRUE))
     engine = make_engine(tiny_model_dirs, trained_drafter_dirs, controller)
     shapes = keep_busy(engine, b, 300)
     assert shapes[0] not in right  # the calibration misleads at first
@@ -91,9 +92,10 @@ def test_a_calibration_is_trusted_only_on_its_own_path_and_code(tmp_path):
     path = "gguf-avx512-int8"
     assert untrusted_step_times(_calibration(tmp_path / "a.json", path, code_version()), path) is None
     assert "code version 0.0.1+old" in untrusted_step_times(_calibration(tmp_path / "b.json", path, "0.0.1+old"), path)
-    assert "compute path gguf-avx2" in untrusted_step_times(_calibration(tmp_path / "c.json", "gguf-avx2", code_version()),
-                                                           path)
-    assert "does not record" in untrusted_step_times(_calibration(tmp_path / "d.json", None, None), path)
+    other = _calibration(tmp_path / "c.json", "gguf-avx2", code_version())
+    assert "compute path gguf-avx2" in untrusted_step_times(other, path)
+    assert "record the compute path" in untrusted_step_times(_calibration(tmp_path / "d.json", None, None), path)
+    assert "record the code version" in untrusted_step_times(_calibration(tmp_path / "e.json", path, None), path)
     assert "unreadable" in untrusted_step_times(tmp_path / "missing.json", path)
 
 
