@@ -199,7 +199,8 @@ async def stream_chat(client: httpx.AsyncClient, body: dict) -> dict:
 
 
 async def run_level(base_url: str, model: str, convs: list[dict], concurrency: int, args) -> tuple[list[dict], float]:
-    """Every conversation of ``convs``, ``concurrency`` at a time (closed loop); returns one record per
+    """Every conversation of ``convs``, ``concurrency`` at a time (closed loop; with ``args.think_s`` > 0
+    a pause drawn from an exponential distribution of that mean between a conversation's turns); returns one record per
     request (``conversation``, ``turn`` from 1, ``start_s`` since the level began, and
     :func:`stream_chat`'s fields) and the level's wall time in seconds."""
     records: list[dict] = []
@@ -221,6 +222,9 @@ async def run_level(base_url: str, model: str, convs: list[dict], concurrency: i
                     r = await stream_chat(client, body)
                     records.append({"conversation": conv["id"], "turn": turn, "start_s": start, **r})
                     messages.append({"role": "assistant", "content": r["text"]})
+                    think_s = getattr(args, "think_s", 0.0)
+                    if think_s and turn < len(conv["turns"]):  # the user reads and types (seeded per turn)
+                        await asyncio.sleep(random.Random(f"{args.seed}/{conv['id']}/{turn}").expovariate(1 / think_s))
 
         await asyncio.gather(*(client_loop() for _ in range(concurrency)))
         wall = time.perf_counter() - t0

@@ -12,7 +12,9 @@ Each (router, concurrency) runs on a freshly started ``rdserve up``, so no level
 blocks; the routers' order rotates from level to level, so machine drift hits all three. Per row: TTFT
 p50/p90 (all turns and turns >= 2, where a conversation's history can be cached), output tokens/s, the
 cache hit rate (``usage.prompt_tokens_details.cached_tokens`` / ``prompt_tokens``), and the share of
-turns >= 2 served by the replica that served the conversation's previous turn. Per concurrency: TTFT
+turns >= 2 served by the replica that served the conversation's previous turn. ``--think-s`` adds a user's
+pause between turns: without it a conversation's next turn arrives the moment its answer ends, when the
+replica that served it has just freed a slot, so a shortest-queue router (pow2) sends it back there. Per concurrency: TTFT
 p50 and tokens/s of each goodput router against pow2's (targets: goodput+prefix TTFT p50 <= 0.6x,
 tokens/s >= 1.0x). Prints Markdown tables naming the CPU and compute path; writes JSON with the command.
 
@@ -22,6 +24,8 @@ On a machine with few cores set ``engine.num_threads`` so the two replicas do no
 Usage:
     python benchmarks/prefix_routing.py --config configs/local.yaml --num-conversations 24 \\
         --concurrency 4,16 --out benchmarks/results/prefix_routing
+    python benchmarks/prefix_routing.py --config configs/local.yaml --num-conversations 24 \
+        --concurrency 16 --think-s 3 --out benchmarks/results/prefix_routing_think   # users pause between turns
     python benchmarks/prefix_routing.py --num-conversations 2 --min-turns 3 --max-turns 3 \\
         --concurrency 2 --max-tokens 8 --out /tmp/prefix_routing_smoke          # a quick check
 """
@@ -107,7 +111,7 @@ def report(args, results: dict, levels: list[int]) -> str:
     lines = [f"CPU: {results['cpu']}; compute path: {results['compute_path']}; config {args.config}, 2 replicas x "
              f"{args.threads} thread(s), prefix caching on; {len(convs)} conversations of {min(turns)}-{max(turns)} "
              f"turns ({sum(turns)} requests per row) from {Path(args.prompts).name}, greedy, max_tokens "
-             f"{args.max_tokens}; a fresh server per row", "",
+             f"{args.max_tokens}, think time {args.think_s} s mean; a fresh server per row", "",
              "| concurrency | router | TTFT p50 ms | TTFT p90 ms | p50 turn 2+ | p90 turn 2+ | output tok/s | "
              "hit rate | same replica as previous turn |", "|---|---|---|---|---|---|---|---|---|"]
     for c in levels:
@@ -141,6 +145,8 @@ def main() -> None:
                     "(default: the server's)")
     ap.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2),
                     help="engine.num_threads of each replica")
+    ap.add_argument("--think-s", type=float, default=0.0, help="mean seconds a user pauses between turns "
+                    "(exponential, seeded); 0 = the next turn goes right after the answer")
     ap.add_argument("--seed", type=int, default=0, help="draws the conversations")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     ap.add_argument("--out", default="benchmarks/results/prefix_routing", help="output path without suffix")
