@@ -1,0 +1,162 @@
+"""The machine's limits that a decoding step is measured against: memory read bandwidth and int8 multiply-add peak.
+
+- **Read bandwidth** (GB/s): a buffer of ``--mib`` MiB (far larger than the caches) summed with 64-byte
+  loads, on 1 thread and on every thread (OpenMP), best of ``--repeats``. A step that streams the
+  weights once can go no faster than weight bytes / this.
+- **int8 peak** (G multiply-adds/s per core): a loop of independent multiply-add instructions on
+  registers only, the instruction each kernel path uses: ``vpdpbusd`` on 512-bit registers
+  (AVX512-VNNI, 64 multiply-adds each) and ``vpmaddubsw`` + ``vpmaddwd`` on 256-bit registers (the AVX2
+  path, 32 each). Where the CPU lacks an instruction set its row says so.
+
+Then, from the default model's shapes (SmolLM2-135M: 30 layers of Q4_1 linears plus the Q8_0 LM head),
+what a step must at least cost: weight bytes / bandwidth, and multiply-adds per row / peak.
+
+Compiled with the system C compiler (``cc``) at run time, like the engine's kernels.
+
+Usage: python benchmarks/machine_limits.py [--mib 1024] [--repeats 5] [--out benchmarks/results/machine_limits]
+(prints a Markdown table naming the CPU, writes JSON)
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from bench_report import write_report
+
+from workers.kernels.build import cpu_model, missing_cpu_flags
+
+C_SOURCE = r"""
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <time.h>
+#include <omp.h>
+
+static double now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec + 1e-9 * t.tv_nsec; }
+
+/* bytes/s reading n bytes of buf with `threads` threads (sum of 64-byte loads, kept alive) */
+double read_bw(const uint8_t *buf, long n, int threads) {
+    double t0 = now();
+    long long total = 0;
+    #pragma omp parallel for num_threads(threads) reduction(+:total) schedule(static)
+    for (long i = 0; i < n; i += 256) {
+        __m256i a = _mm256_loadu_si256((const __m256i *)(buf + i));
+        __m256i b = _mm256_loadu_si256((const __m256i *)(buf + i + 64));
+        __m256i c = _mm256_loadu_si256((const __m256i *)(buf + i + 128));
+        __m256i d = _mm256_loadu_si256((const __m256i *)(buf + i + 192));
+        __m256i s = _mm256_add_epi8(_mm256_add_epi8(a, b), _mm256_add_epi8(c, d));
+        total += _mm256_extract_epi64(s, 0);
+    }
+    double dt = now() - t0;
+    volatile long long sink = total; (void)sink;
+    return n / dt;
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vnni")))
+double vnni_peak(long iters) {
+    /* 8 independent accumulators; the instructions are written out (inline assembly) so the compiler
+       can neither hoist the product nor fold the loop */
+    __m512i c0 = _mm512_set1_epi32(0), c1 = c0, c2 = c0, c3 = c0, c4 = c0, c5 = c0, c6 = c0, c7 = c0;
+    __m512i a = _mm512_set1_epi8(3), b = _mm512_set1_epi8(-2);
+    double t0 = now();
+    for (long k = 0; k < iters; k++)
+        __asm__ volatile(
+            "vpdpbusd %8, %9, %0\n\tvpdpbusd %8, %9, %1\n\tvpdpbusd %8, %9, %2\n\tvpdpbusd %8, %9, %3\n\t"
+            "vpdpbusd %8, %9, %4\n\tvpdpbusd %8, %9, %5\n\tvpdpbusd %8, %9, %6\n\tvpdpbusd %8, %9, %7"
+            : "+v"(c0), "+v"(c1), "+v"(c2), "+v"(c3), "+v"(c4), "+v"(c5), "+v"(c6), "+v"(c7) : "v"(b), "v"(a));
+    double dt = now() - t0;
+    __m512i s = _mm512_add_epi32(_mm512_add_epi32(_mm512_add_epi32(c0, c1), _mm512_add_epi32(c2, c3)),
+                                 _mm512_add_epi32(_mm512_add_epi32(c4, c5), _mm512_add_epi32(c6, c7)));
+    volatile int keep = _mm512_reduce_add_epi32(s); (void)keep;
+    return 8.0 * 64.0 * iters / dt;
+}
+
+__attribute__((target("avx2")))
+double avx2_peak(long iters) {
+    /* 4 independent chains of vpmaddubsw -> vpmaddwd -> vpaddd (the AVX2 kernels' int8 dot product) */
+    __m256i c0 = _mm256_set1_epi32(0), c1 = c0, c2 = c0, c3 = c0, t0r, t1r, t2r, t3r;
+    __m256i a = _mm256_set1_epi8(3), b = _mm256_set1_epi8(-2), ones = _mm256_set1_epi16(1);
+    double t0 = now();
+    for (long k = 0; k < iters; k++)
+        __asm__ volatile(
+            "vpmaddubsw %9, %8, %4\n\tvpmaddubsw %9, %8, %5\n\tvpmaddubsw %9, %8, %6\n\tvpmaddubsw %9, %8, %7\n\t"
+            "vpmaddwd %10, %4, %4\n\tvpmaddwd %10, %5, %5\n\tvpmaddwd %10, %6, %6\n\tvpmaddwd %10, %7, %7\n\t"
+            "vpaddd %4, %0, %0\n\tvpaddd %5, %1, %1\n\tvpaddd %6, %2, %2\n\tvpaddd %7, %3, %3"
+            : "+x"(c0), "+x"(c1), "+x"(c2), "+x"(c3), "=&x"(t0r), "=&x"(t1r), "=&x"(t2r), "=&x"(t3r)
+            : "x"(b), "x"(a), "x"(ones));
+    double dt = now() - t0;
+    __m256i s = _mm256_add_epi32(_mm256_add_epi32(c0, c1), _mm256_add_epi32(c2, c3));
+    volatile int keep = _mm256_extract_epi32(s, 0); (void)keep;
+    return 4.0 * 32.0 * iters / dt;
+}
+"""
+
+HIDDEN, INTER, VOCAB, LAYERS = 576, 1536, 49152, 30
+LAYER_MACS = HIDDEN * (960 + HIDDEN + 2 * INTER) + INTER * HIDDEN  # qkv, o, gate_up, down per row
+Q4_1_BYTES, Q8_0_BYTES = 20 / 32, 34 / 32  # bytes per weight as shipped
+
+
+def build(tmp: Path) -> ctypes.CDLL:
+    src, lib = tmp / "limits.c", tmp / "limits.so"
+    src.write_text(C_SOURCE)
+    subprocess.run(["cc", "-O3", "-fopenmp", "-mavx2", "-shared", "-fPIC", str(src), "-o", str(lib)], check=True)
+    so = ctypes.CDLL(str(lib))
+    so.read_bw.restype = so.vnni_peak.restype = so.avx2_peak.restype = ctypes.c_double
+    so.read_bw.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_int]
+    so.vnni_peak.argtypes = so.avx2_peak.argtypes = [ctypes.c_long]
+    return so
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--mib", type=int, default=1024, help="buffer read for the bandwidth, MiB")
+    ap.add_argument("--repeats", type=int, default=5, help="best of this many runs of each measurement")
+    ap.add_argument("--out", default="benchmarks/results/machine_limits", help="output path without suffix")
+    args = ap.parse_args()
+    flags = {f for f in ('avx2', 'avx512f', 'avx512bw', 'avx512_vnni', 'amx_int8', 'amx_bf16')
+             if not missing_cpu_flags({f})}
+    threads = os.cpu_count() or 1
+    with tempfile.TemporaryDirectory() as tmp:
+        so = build(Path(tmp))
+        n = args.mib << 20
+        buf = (ctypes.c_uint8 * n)()
+        ctypes.memset(buf, 1, n)
+        bw1 = max(so.read_bw(buf, n, 1) for _ in range(args.repeats))
+        bwn = max(so.read_bw(buf, n, threads) for _ in range(args.repeats))
+        vnni = max(so.vnni_peak(20_000_000) for _ in range(args.repeats)) if {"avx512f", "avx512bw", "avx512_vnni"} <= flags else None
+        avx2 = max(so.avx2_peak(20_000_000) for _ in range(args.repeats)) if "avx2" in flags else None
+    weight_bytes = LAYERS * LAYER_MACS * Q4_1_BYTES + VOCAB * HIDDEN * Q8_0_BYTES
+    row_macs = LAYERS * LAYER_MACS + VOCAB * HIDDEN
+    results = {"command": shlex.join(["python", *sys.argv]), "cpu": cpu_model(), "threads": threads,
+               "read_gb_s_1_thread": bw1 / 1e9, "read_gb_s_all_threads": bwn / 1e9,
+               "vnni_gmacs_per_core": vnni / 1e9 if vnni else None, "avx2_gmacs_per_core": avx2 / 1e9 if avx2 else None,
+               "default_model": {"weight_mb": weight_bytes / 1e6, "row_gmacs": row_macs / 1e9,
+                                 "step_floor_ms_bandwidth": 1e3 * weight_bytes / bwn,
+                                 "row_floor_ms_vnni_all_cores": 1e3 * row_macs / (vnni * threads) if vnni else None,
+                                 "row_floor_ms_avx2_all_cores": 1e3 * row_macs / (avx2 * threads) if avx2 else None}}
+    d = results["default_model"]
+    fmt = lambda v, spec=".1f": "-" if v is None else format(v, spec)  # noqa: E731
+    table = "\n".join([
+        f"CPU: {results['cpu']}, {threads} threads; flags: "
+        f"{' '.join(sorted(flags))}", "",
+        "| limit | 1 thread | all threads |", "|---|---|---|",
+        f"| memory read GB/s | {bw1 / 1e9:.1f} | {bwn / 1e9:.1f} |",
+        f"| int8 G multiply-adds/s, AVX512-VNNI vpdpbusd | {fmt(vnni and vnni / 1e9)} | {fmt(vnni and vnni * threads / 1e9)} |",
+        f"| int8 G multiply-adds/s, AVX2 vpmaddubsw | {fmt(avx2 and avx2 / 1e9)} | {fmt(avx2 and avx2 * threads / 1e9)} |",
+        "", f"SmolLM2-135M as shipped: {d['weight_mb']:.0f} MB of weights per step (Q4_1 layers, Q8_0 LM head), "
+        f"{d['row_gmacs']:.3f} G multiply-adds per row. Floors on all threads: a step streams the weights in "
+        f"{d['step_floor_ms_bandwidth']:.2f} ms; a row's multiply-adds take {fmt(d['row_floor_ms_vnni_all_cores'], '.3f')} ms "
+        f"(VNNI), {fmt(d['row_floor_ms_avx2_all_cores'], '.3f')} ms (AVX2)."])
+    print(table)
+    write_report(args.out, table, results)
+
+
+if __name__ == "__main__":
+    main()
