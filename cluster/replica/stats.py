@@ -19,11 +19,10 @@ Keys (all numbers; times in seconds):
 - ``ttft_p90_s``: 90th percentile time to first token over the last ``window_s`` seconds (None when
   no request started in it).
 - ``prefix_hashes``: routing-text block hashes of the prompts the replica's prefix cache likely still
-  holds (a frozenset of ints, :mod:`workers.text_prefix`; empty with prefix caching off);
-  ``chars_per_token``: routing-text characters per prompt token of the requests it served (moving
-  average; 4.0 before any); ``prefill_s_per_token``: seconds per prompt position of iterations that
-  prefill (moving average; 0 before any). Not numbers the autoscaler reads: ``prefix_hashes`` is left
-  out of the autoscaling stats.
+  holds, each with the prompt tokens up to its block's end (a dict of ints, :mod:`workers.text_prefix`;
+  empty with prefix caching off); ``prefill_s_per_token``: seconds per prompt position of iterations
+  that prefill (moving average; 0 before any). Not numbers the autoscaler reads: ``prefix_hashes`` is
+  left out of the autoscaling stats.
 """
 
 from __future__ import annotations
@@ -34,7 +33,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from workers.text_prefix import DEFAULT_CHARS_PER_TOKEN, PrefixIndex, text_block_hashes
+from workers.text_prefix import PrefixIndex, text_block_hashes
 
 if TYPE_CHECKING:
     from workers.engine import EngineSnapshot
@@ -61,23 +60,17 @@ class TtftWindow:
 
 class PrefixStats:
     """A replica's side of cache-aware routing: the routing-text hashes of the prompts it admitted
-    (:class:`~workers.text_prefix.PrefixIndex`), its characters per prompt token (moving
-    average, weight 0.1) and its engine's seconds per prefilled position (set by the replica)."""
+    (:class:`~workers.text_prefix.PrefixIndex`) and its engine's seconds per prefilled position (set
+    by the replica)."""
 
     def __init__(self):
         self.index = PrefixIndex()
-        self.chars_per_token = DEFAULT_CHARS_PER_TOKEN
         self.prefill_s_per_token = 0.0
-        self._samples = 0
 
     def admitted(self, text: str, prompt_tokens: int) -> None:
         """A request with routing text ``text`` (:func:`~workers.text_prefix.routing_text`) and
         ``prompt_tokens`` prompt tokens was admitted."""
-        self.index.add(text_block_hashes(text))
-        if prompt_tokens > 0 and text:
-            ratio = len(text) / prompt_tokens
-            self.chars_per_token = ratio if not self._samples else 0.9 * self.chars_per_token + 0.1 * ratio
-            self._samples += 1
+        self.index.add(text_block_hashes(text), prompt_tokens, len(text))
 
 
 def engine_stats(snapshot: EngineSnapshot, load: int, step_s: float, ttft_p90_s: float | None,
@@ -100,8 +93,6 @@ def engine_stats(snapshot: EngineSnapshot, load: int, step_s: float, ttft_p90_s:
         "tau": float(tau) if tau else None,
         "shape": policy_stats.get("shape") or "plain",
         "ttft_p90_s": ttft_p90_s,
-        "prefix_hashes": prefix.index.report(snapshot.cached_blocks * snapshot.kv_size.block_size,
-                                             prefix.chars_per_token) if prefix else frozenset(),
-        "chars_per_token": prefix.chars_per_token if prefix else DEFAULT_CHARS_PER_TOKEN,
+        "prefix_hashes": prefix.index.report(snapshot.cached_blocks * snapshot.kv_size.block_size) if prefix else {},
         "prefill_s_per_token": prefix.prefill_s_per_token if prefix else 0.0,
     }

@@ -30,9 +30,11 @@ The model, for a request of at most ``m`` new tokens on one replica:
 - prefill: the prompt positions the replica has not cached, times the seconds per prefilled position
   (the candidates' median ``prefill_s_per_token``; ``PREFILL_TOKEN_UNITS`` unit steps where none is
   measured). Cached positions are estimated from the request's routing-text block hashes
-  (:mod:`workers.text_prefix`) against the hashes the replica reports (``prefix_hashes``) and
-  those of the requests this router sent it in the last ``RecentPrefixes.ttl_s`` seconds (its report
-  lags), converted at the replica's ``chars_per_token``; at least one position is always computed.
+  (:mod:`workers.text_prefix`) against the hashes the replica reports (``prefix_hashes``, each with
+  the prompt tokens up to its block's end) and those of the requests this router sent it in the last
+  ``RecentPrefixes.ttl_s`` seconds (its report lags); at least one position is always computed. The
+  prefill all candidates share (that of the most cached prefix) is left out of every score, so the
+  relative tie tolerance compares what differs.
 
 Expected completion = queueing + decoding + prefill. One more request lengthens every step of a
 replica, so at low load requests spread and each decodes in a small batch, where speculation pays.
@@ -51,9 +53,10 @@ import math
 import random
 import statistics
 from collections.abc import Hashable
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
-from workers.text_prefix import DEFAULT_CHARS_PER_TOKEN, cached_chars
+from workers.text_prefix import DEFAULT_CHARS_PER_TOKEN, block_tokens, cached_tokens
 
 TIE_TOLERANCE = 0.05
 """Candidates whose expected completion times are within this fraction of each other are ties."""
@@ -74,7 +77,8 @@ class Candidate:
         be negative).
     sent_tokens: their prompt + max tokens, likewise.
     in_flight: requests this router sent (or is sending) it that have not completed.
-    recent_hashes: routing-text hashes of the prompts this router sent it lately (:class:`RecentPrefixes`).
+    recent_hashes: routing-text hashes of the prompts this router sent it lately, each with its
+        estimated prompt tokens up to its block's end (:class:`RecentPrefixes`).
     """
 
     replica: Hashable
@@ -83,7 +87,7 @@ class Candidate:
     sent: int = 0
     sent_tokens: int = 0
     in_flight: int = 0
-    recent_hashes: frozenset = frozenset()
+    recent_hashes: Mapping[int, int] = field(default_factory=dict)
 
     @property
     def held(self) -> int:
@@ -131,11 +135,11 @@ def speed_factors(candidates: list[Candidate]) -> dict[Hashable, float]:
 
 def cached_prompt_tokens(c: Candidate, prefix_hashes: list[int] | None, prompt_tokens: int) -> int:
     """Prompt tokens of a request with routing-text hashes ``prefix_hashes`` that ``c`` likely holds in
-    its prefix cache: at most ``prompt_tokens - 1`` (the last position is always computed)."""
+    its prefix cache (its reported ``prefix_hashes``, or what this router sent it lately): at most
+    ``prompt_tokens - 1`` (the last position is always computed)."""
     if not prefix_hashes:
         return 0
-    chars = max(cached_chars(prefix_hashes, c.stats.get("prefix_hashes")), cached_chars(prefix_hashes, c.recent_hashes))
-    tokens = int(chars / (c.stats.get("chars_per_token") or DEFAULT_CHARS_PER_TOKEN))
+    tokens = max(cached_tokens(prefix_hashes, c.stats.get("prefix_hashes")), cached_tokens(prefix_hashes, c.recent_hashes))
     return max(min(tokens, prompt_tokens - 1), 0)
 
 
@@ -169,10 +173,12 @@ def rank_replicas(candidates: list[Candidate], prompt_tokens: int, max_tokens: i
     tau = statistics.median(taus) if taus else 1.0
     speeds = speed_factors(candidates)
     prefill_s = prefill_token_s(candidates, unit if units else None)
+    # the prefill every candidate would run is left out, so that ties stay relative to what differs
+    cached = {c.replica: cached_prompt_tokens(c, prefix_hashes, prompt_tokens) for c in candidates}
+    most = max(cached.values(), default=0)
     admitting, refusing = [], []
     for c in candidates:
-        uncached = max(prompt_tokens, 1) - cached_prompt_tokens(c, prefix_hashes, prompt_tokens)
-        seconds = expected_completion_s(c, max_tokens, unit, speeds[c.replica], tau) + uncached * prefill_s
+        seconds = expected_completion_s(c, max_tokens, unit, speeds[c.replica], tau) + (most - cached[c.replica]) * prefill_s
         (admitting if admits(c, prompt_tokens, max_tokens) else refusing).append((seconds, c.replica))
     return _ordered(admitting, rng, tie_tolerance) + _ordered(refusing, rng, tie_tolerance)
 
@@ -293,37 +299,41 @@ class SentSinceStats:
 
 class RecentPrefixes:
     """The routing-text hashes of the prompts one router sent each replica in the last ``ttl_s``
-    seconds: a replica reports its hashes only at the next stats poll, and followers of a prompt sent
-    meanwhile should find it there. At most ``max_per_replica`` hashes per replica, newest kept."""
+    seconds, each with its prompt tokens estimated at ``DEFAULT_CHARS_PER_TOKEN``: a replica reports
+    its hashes only at the next stats poll, and followers of a prompt sent meanwhile should find it
+    there. At most ``max_per_replica`` hashes per replica, newest kept, and a quarter of that per
+    prompt; a prompt's first blocks are its newest, so trimming drops chains' tails first."""
 
     def __init__(self, ttl_s: float = 10.0, max_per_replica: int = 1024):
         self.ttl_s, self.max_per_replica = ttl_s, max_per_replica
-        self._sent: dict[Hashable, dict[int, float]] = {}  # replica -> hash -> when sent (insertion order)
-        self._frozen: dict[Hashable, frozenset] = {}
+        self._sent: dict[Hashable, dict[int, tuple[int, float]]] = {}  # replica -> hash -> (tokens, when sent)
+        self._views: dict[Hashable, dict[int, int]] = {}
 
     def sent(self, replica: Hashable, hashes: list[int], now: float) -> None:
         """A prompt with routing-text ``hashes`` went to ``replica`` at ``now`` (s)."""
+        hashes = hashes[: max(self.max_per_replica // 4, 1)]
+        tokens = block_tokens(hashes, 1 / DEFAULT_CHARS_PER_TOKEN)
         table = self._sent.setdefault(replica, {})
-        for h in hashes:
+        for h in reversed(hashes):
             table.pop(h, None)
-            table[h] = now
+            table[h] = (tokens[h], now)
         while len(table) > self.max_per_replica:
             del table[next(iter(table))]
-        self._frozen.pop(replica, None)
+        self._views.pop(replica, None)
 
-    def of(self, replica: Hashable, now: float) -> frozenset:
-        """Hashes sent to ``replica`` within ``ttl_s`` of ``now``."""
+    def of(self, replica: Hashable, now: float) -> dict[int, int]:
+        """``{hash: tokens}`` sent to ``replica`` within ``ttl_s`` of ``now`` (do not modify)."""
         table = self._sent.get(replica)
         if not table:
-            return frozenset()
-        stale = [h for h, when in table.items() if now - when > self.ttl_s]
+            return {}
+        stale = [h for h, (_, when) in table.items() if now - when > self.ttl_s]
         for h in stale:
             del table[h]
-        if stale or replica not in self._frozen:
-            self._frozen[replica] = frozenset(table)
-        return self._frozen[replica]
+        if stale or replica not in self._views:
+            self._views[replica] = {h: tokens for h, (tokens, _) in table.items()}
+        return self._views[replica]
 
     def forget_except(self, replicas: set) -> None:
         for replica in [r for r in self._sent if r not in replicas]:
             del self._sent[replica]
-            self._frozen.pop(replica, None)
+            self._views.pop(replica, None)

@@ -14,6 +14,7 @@ choice, as Ray's prefix-cache and KV-aware routers do.
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import time
@@ -36,7 +37,7 @@ TEMPLATE_TOKENS_PER_MESSAGE = 8
 
 def request_size(args: list) -> tuple[int, int]:
     """``(prompt_tokens, max_tokens)`` estimated for a call whose first argument is an
-    ``EngineRequest`` (``generate``); ``max_tokens`` None counts as ``DEFAULT_MAX_TOKENS``. Other
+    ``EngineRequest`` (``generate``), its tools' JSON counted as prompt; ``max_tokens`` None counts as ``DEFAULT_MAX_TOKENS``. Other
     calls (``stats``, health probes) count as ``(0, 1)``."""
     req = args[0] if args else None
     if not isinstance(req, EngineRequest):
@@ -45,8 +46,13 @@ def request_size(args: list) -> tuple[int, int]:
         prompt_tokens = math.ceil(len(req.prompt or "") / CHARS_PER_TOKEN)
     else:
         chars = sum(len(str(m.get("content", ""))) for m in req.messages)
+        chars += len(json.dumps(req.tools, ensure_ascii=False, default=str)) if req.tools else 0
         prompt_tokens = math.ceil(chars / CHARS_PER_TOKEN) + TEMPLATE_TOKENS_PER_MESSAGE * len(req.messages)
     return prompt_tokens, req.max_tokens if req.max_tokens is not None else DEFAULT_MAX_TOKENS
+
+
+MAX_HASHED = 4096
+"""Requests whose routing-text hashes a router keeps between ranking and routing (oldest dropped)."""
 
 
 def prefix_hashes(args: list) -> list[int] | None:
@@ -74,6 +80,7 @@ class GoodputRequestRouter(RequestRouter):
         self.sent = SentSinceStats()
         self.prefix_aware = prefix_aware
         self.recent = RecentPrefixes()
+        self._hashed: dict[str, list[int] | None] = {}  # internal request id -> its routing-text hashes
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
@@ -82,7 +89,7 @@ class GoodputRequestRouter(RequestRouter):
         now = time.monotonic()
         candidates = self.sent.candidates(
             [(r.replica_id, r.routing_stats, r.max_ongoing_requests) for r in candidate_replicas], now)
-        hashes = prefix_hashes(args) if self.prefix_aware else None
+        hashes = self._hashes(pending_request) if self.prefix_aware and pending_request is not None else None
         if hashes:
             candidates = [replace(c, recent_hashes=self.recent.of(c.replica, now)) for c in candidates]
         ranked = rank_replicas(candidates, prompt_tokens, max_tokens, self.rng, self.tie_tolerance, hashes)
@@ -104,8 +111,20 @@ class GoodputRequestRouter(RequestRouter):
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult) -> None:
         prompt_tokens, max_tokens = request_size(pending_request.args)
         self.sent.routed(replica_id, pending_request.metadata.internal_request_id, prompt_tokens + max_tokens)
-        if self.prefix_aware and (hashes := prefix_hashes(pending_request.args)):
+        hashes = self._hashed.pop(pending_request.metadata.internal_request_id, None)
+        if self.prefix_aware and hashes:
             self.recent.sent(replica_id, hashes, time.monotonic())
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         self.sent.completed(replica_id, internal_request_id)
+        self._hashed.pop(internal_request_id, None)
+
+    def _hashes(self, pending_request: PendingRequest) -> list[int] | None:
+        """The request's routing-text hashes, computed once per request (``choose_replicas`` runs again
+        on every backoff): kept until it is routed or completed, for at most ``MAX_HASHED`` requests."""
+        request_id = pending_request.metadata.internal_request_id
+        if request_id not in self._hashed:
+            while len(self._hashed) >= MAX_HASHED:  # requests cancelled before they were routed
+                del self._hashed[next(iter(self._hashed))]
+            self._hashed[request_id] = prefix_hashes(pending_request.args)
+        return self._hashed[request_id]

@@ -30,6 +30,10 @@ def test_request_size_estimates_prompt_tokens_from_characters():
     assert request_size([engine_request("x" * 31, None)]) == (11, DEFAULT_MAX_TOKENS)
     chat = [{"role": "system", "content": "x" * 6}, {"role": "user", "content": "y" * 7}]
     assert request_size([engine_request(messages=chat, max_tokens=5)]) == (5 + 2 * 8, 5)
+    tools = [{"type": "function", "function": {"name": "lookup", "description": "x" * 300}}]
+    with_tools = EngineRequest(prompt=None, messages=chat, sampling=SamplingParams(), max_tokens=5,
+                               max_tokens_field="max_tokens", mode=None, tools=tools)
+    assert request_size([with_tools])[0] > 5 + 2 * 8 + 300 // 3  # the tools' JSON is prompt too
     assert request_size([]) == (0, 1)  # e.g. the ingress's health probe (``stats``)
 
 
@@ -105,15 +109,15 @@ def test_router_never_sends_a_long_prompt_where_it_does_not_fit_while_another_re
 
 
 def test_router_follows_reported_and_recently_sent_prefixes():
-    from workers.text_prefix import routing_text, text_block_hashes
+    from workers.text_prefix import block_tokens, routing_text, text_block_hashes
 
     system = "You answer questions about the ACME billing system, politely and briefly. " * 30
     turn = lambda q: engine_request(messages=[{"role": "system", "content": system}, {"role": "user", "content": q}])
-    cached = frozenset(text_block_hashes(routing_text(None, turn("an earlier question").messages)))
+    cached = block_tokens(text_block_hashes(routing_text(None, turn("an earlier question").messages)), 0.25)
 
     async def scenario():
-        holder = FakeReplica("holder", {**idle_stats(), "prefix_hashes": cached, "chars_per_token": 4.0})
-        other = FakeReplica("other", {**idle_stats(), "prefix_hashes": frozenset(), "chars_per_token": 4.0})
+        holder = FakeReplica("holder", {**idle_stats(), "prefix_hashes": cached})
+        other = FakeReplica("other", {**idle_stats(), "prefix_hashes": {}})
         replicas = [other, holder]
         for seed in range(8):
             router = make_router(replicas)
@@ -126,6 +130,20 @@ def test_router_follows_reported_and_recently_sent_prefixes():
             router.initialize_state(seed=seed, prefix_aware=False)
             firsts[(await choose(router, replicas, pending(seed, turn("q")))).replica_id.unique_id] += 1
         assert set(firsts) == {"holder", "other"}
+        # the hashes are computed once per request, however often Serve asks to rank it
+        router = make_router(replicas)
+        calls = []
+        import cluster.routing.request_router as rr
+        real = rr.prefix_hashes
+        rr.prefix_hashes = lambda args: calls.append(1) or real(args)
+        try:
+            again = pending(50, turn("asked three times"))
+            for _ in range(3):
+                await choose(router, replicas, again)
+            router.on_request_routed(again, holder.replica_id, result=None)
+        finally:
+            rr.prefix_hashes = real
+        assert len(calls) == 1 and not router._hashed
         # a new prefix sent to "other" is found there by its followers before any stats poll reports it
         router = make_router(replicas)
         new_system = [{"role": "system", "content": "A brand new system prompt for another app. " * 40}]
