@@ -33,8 +33,9 @@ The model, for a request of at most ``m`` new tokens on one replica:
   (:mod:`workers.text_prefix`) against the hashes the replica reports (``prefix_hashes``, each with
   the prompt tokens up to its block's end) and those of the requests this router sent it in the last
   ``RecentPrefixes.ttl_s`` seconds (its report lags); at least one position is always computed. The
-  prefill all candidates share (that of the most cached prefix) is left out of every score, so the
-  relative tie tolerance compares what differs.
+  whole prompt's prefill is in every score, also the part all candidates share: ties are relative to
+  the request's whole expected time, so a long prompt makes small load differences ties (measured
+  better on two replicas than leaving the shared part out, BENCHMARKS.md section 13).
 
 Expected completion = queueing + decoding + prefill. One more request lengthens every step of a
 replica, so at low load requests spread and each decodes in a small batch, where speculation pays.
@@ -173,12 +174,10 @@ def rank_replicas(candidates: list[Candidate], prompt_tokens: int, max_tokens: i
     tau = statistics.median(taus) if taus else 1.0
     speeds = speed_factors(candidates)
     prefill_s = prefill_token_s(candidates, unit if units else None)
-    # the prefill every candidate would run is left out, so that ties stay relative to what differs
-    cached = {c.replica: cached_prompt_tokens(c, prefix_hashes, prompt_tokens) for c in candidates}
-    most = max(cached.values(), default=0)
     admitting, refusing = [], []
     for c in candidates:
-        seconds = expected_completion_s(c, max_tokens, unit, speeds[c.replica], tau) + (most - cached[c.replica]) * prefill_s
+        uncached = max(prompt_tokens, 1) - cached_prompt_tokens(c, prefix_hashes, prompt_tokens)
+        seconds = expected_completion_s(c, max_tokens, unit, speeds[c.replica], tau) + uncached * prefill_s
         (admitting if admits(c, prompt_tokens, max_tokens) else refusing).append((seconds, c.replica))
     return _ordered(admitting, rng, tie_tolerance) + _ordered(refusing, rng, tie_tolerance)
 
