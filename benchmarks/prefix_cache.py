@@ -362,25 +362,29 @@ def report(args, results: dict, levels: list[int]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", default="configs/local.yaml", help="rdserve config served, with "
-                    "engine.enable_prefix_caching true and false")
+def add_workload_options(ap: argparse.ArgumentParser, concurrency: str, num_conversations: int) -> None:
+    """The options of the multi-turn workload (shared with ``benchmarks/prefix_routing.py``)."""
+    ap.add_argument("--config", default="configs/local.yaml", help="rdserve config served")
     ap.add_argument("--prompts", default=str(DATASETS / "broad/dev.jsonl"), help="prompt JSONL whose single-turn "
                     "chat rows are the user turns")
-    ap.add_argument("--num-conversations", type=int, default=32, help="conversations per (caching, concurrency)")
+    ap.add_argument("--num-conversations", type=int, default=num_conversations, help="conversations per row")
     ap.add_argument("--min-turns", type=int, default=4, help="user turns per conversation, at least")
     ap.add_argument("--max-turns", type=int, default=8, help="user turns per conversation, at most")
     ap.add_argument("--max-turn-tokens", type=int, default=128, help="longest user turn, in tokens")
     ap.add_argument("--max-tokens", type=int, default=64, help="completion tokens per request (at most)")
-    ap.add_argument("--concurrency", default="1,4,16", help="comma-separated closed-loop concurrency levels "
+    ap.add_argument("--concurrency", default=concurrency, help="comma-separated closed-loop concurrency levels "
                     "(conversations in flight)")
     ap.add_argument("--mode", choices=["auto", "spec", "plain"], help="rdserve.mode of every request "
                     "(default: the server's)")
+    ap.add_argument("--think-s", type=float, default=0.0, help="mean seconds a user pauses between turns "
+                    "(exponential, seeded); 0 = the next turn goes right after the answer")
     ap.add_argument("--seed", type=int, default=0, help="draws the conversations")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
-    ap.add_argument("--out", default="benchmarks/results/prefix_cache", help="output path without suffix")
-    args = ap.parse_args()
+
+
+def load_workload(ap: argparse.ArgumentParser, args) -> tuple:
+    """``(config, concurrency levels, conversations, results skeleton)`` for parsed ``args`` of
+    :func:`add_workload_options` (``ap.error`` on bad turn bounds)."""
     if not 1 <= args.min_turns <= args.max_turns:
         ap.error("need 1 <= --min-turns <= --max-turns")
     levels = [int(c) for c in args.concurrency.split(",")]
@@ -396,6 +400,15 @@ def main() -> None:
                      "system_prompt_tokens": len(tokenizer.encode(SYSTEM_PROMPT, add_special_tokens=False)),
                      "conversations": [{"id": c["id"], "lines": c["lines"]} for c in convs], "levels": {},
                      "comparison": {}}
+    return cfg, levels, convs, results
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_workload_options(ap, concurrency="1,4,16", num_conversations=32)
+    ap.add_argument("--out", default="benchmarks/results/prefix_cache", help="output path without suffix")
+    args = ap.parse_args()
+    cfg, levels, convs, results = load_workload(ap, args)
     answers: dict = {}
     with tempfile.TemporaryDirectory(prefix="rdserve-prefix-") as tmp:
         for i, c in enumerate(levels):

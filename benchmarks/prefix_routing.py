@@ -35,22 +35,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import shlex
-import sys
 import tempfile
 from pathlib import Path
 
 import httpx
 import yaml
 from bench_ports import free_port
-from bench_prompts import DATASETS
 from bench_report import write_report
 from bench_serve import absolute_paths
-from prefix_cache import SYSTEM_PROMPT, conversations, fmt, percentile_ms, run_level, summarize, user_turns, warm_up
+from prefix_cache import add_workload_options, fmt, load_workload, percentile_ms, run_level, summarize, warm_up
 from served_vs_engine import start_server, stop_server
 
 from cluster.config import load_config
-from workers.kernels.build import cpu_model
 
 ROUTERS = {
     "pow2": {"request_router": "pow2"},
@@ -132,40 +128,12 @@ def report(args, results: dict, levels: list[int]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", default="configs/local.yaml", help="rdserve config served (two replicas of it)")
-    ap.add_argument("--prompts", default=str(DATASETS / "broad/dev.jsonl"), help="prompt JSONL whose single-turn "
-                    "chat rows are the user turns")
-    ap.add_argument("--num-conversations", type=int, default=24, help="conversations per (router, concurrency)")
-    ap.add_argument("--min-turns", type=int, default=4, help="user turns per conversation, at least")
-    ap.add_argument("--max-turns", type=int, default=8, help="user turns per conversation, at most")
-    ap.add_argument("--max-turn-tokens", type=int, default=128, help="longest user turn, in tokens")
-    ap.add_argument("--max-tokens", type=int, default=64, help="completion tokens per request (at most)")
-    ap.add_argument("--concurrency", default="4,16", help="comma-separated closed-loop concurrency levels")
-    ap.add_argument("--mode", choices=["auto", "spec", "plain"], help="rdserve.mode of every request "
-                    "(default: the server's)")
+    add_workload_options(ap, concurrency="4,16", num_conversations=24)
     ap.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2),
                     help="engine.num_threads of each replica")
-    ap.add_argument("--think-s", type=float, default=0.0, help="mean seconds a user pauses between turns "
-                    "(exponential, seeded); 0 = the next turn goes right after the answer")
-    ap.add_argument("--seed", type=int, default=0, help="draws the conversations")
-    ap.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     ap.add_argument("--out", default="benchmarks/results/prefix_routing", help="output path without suffix")
     args = ap.parse_args()
-    if not 1 <= args.min_turns <= args.max_turns:
-        ap.error("need 1 <= --min-turns <= --max-turns")
-    levels = [int(c) for c in args.concurrency.split(",")]
-
-    from workers.models.pull import pull_default
-    from workers.models.tokenizer import load_tokenizer
-
-    cfg = load_config(args.config)
-    tokenizer = load_tokenizer(cfg.model.path or pull_default())
-    convs = conversations(user_turns(args.prompts, tokenizer, args.max_turn_tokens), args, tokenizer,
-                          cfg.engine.max_seq_len)
-    results: dict = {"command": shlex.join(["python", *sys.argv]), "cpu": cpu_model(), "args": vars(args),
-                     "system_prompt_tokens": len(tokenizer.encode(SYSTEM_PROMPT, add_special_tokens=False)),
-                     "conversations": [{"id": c["id"], "lines": c["lines"]} for c in convs], "levels": {},
-                     "comparison": {}}
+    cfg, levels, convs, results = load_workload(ap, args)
     names = list(ROUTERS)
     with tempfile.TemporaryDirectory(prefix="rdserve-routing-") as tmp:
         for i, c in enumerate(levels):
