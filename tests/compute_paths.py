@@ -36,11 +36,15 @@ def describe_machine() -> list[str]:
     """Header lines: the CPU, its relevant instruction sets, and the kernel paths it can run."""
     from workers.kernels import build
     from workers.kernels.prefill_bf16 import amx_bf16_available
-    from workers.kernels.quant_linear import INT8_CPU_FLAGS
+    from workers.kernels.quant_linear import INT8_CPU_FLAGS, amx_unavailable
 
     have = [f for f in FLAGS_OF_INTEREST if not build.missing_cpu_flags({f})]
     isas = build.supported_isas()
-    int8 = (["vnni"] if not build.missing_cpu_flags(INT8_CPU_FLAGS) else []) + (["avx2"] if isas else [])
+    try:
+        amx = [] if not isas or amx_unavailable() else ["amx"]
+    except Exception:  # noqa: BLE001 - a header must never fail the run
+        amx = []
+    int8 = amx + (["vnni"] if not build.missing_cpu_flags(INT8_CPU_FLAGS) else []) + (["avx2"] if isas else [])
     try:
         import torch
 

@@ -84,6 +84,10 @@ def load_engine(model_path: str, drafter_path: str | None = None, options: Engin
     prefill = _prefill_path(model, opts.prefill_dtype, weights)
     decode = _decode_activations(model, opts, weights)
     isa = build.load() if device.type == "cpu" and opts.dtype == "float32" and build.available() else None
+    if decode == "int8" and isa == "avx512":
+        from workers.kernels.quant_linear import best_int8_kernel
+
+        isa = "amx" if best_int8_kernel() == "amx" else isa  # the kernel use_int8_activations chose
     name = compute_path_name(device.type, "gguf" if weights is not None and weights.quantized else opts.dtype, isa,
                              decode == "int8")
     compute = ComputePath(name, weights, prefill, decode)

@@ -12,6 +12,7 @@ from workers.speculation.schedule import validate_schedule
 
 @pytest.mark.parametrize("args, name", [
     (("cpu", "gguf", "avx512", True), "gguf-avx512-int8"),
+    (("cpu", "gguf", "amx", True), "gguf-amx-int8"),
     (("cpu", "gguf", "avx2", False), "gguf-avx2"),
     (("cpu", "float32", None, False), "float32-torch"),
     (("cpu", "bfloat16", None, False), "bfloat16-torch"),
@@ -25,6 +26,8 @@ def test_kernel_names(args, name):
 @pytest.mark.parametrize("args, message", [
     (("cpu", "float32", "avx2", True), "int8 activations run on GGUF blocks only"),
     (("cpu", "gguf", "neon", False), "unknown kernel ISA 'neon'"),
+    (("cpu", "gguf", "amx", False), "the amx path is the int8-activation kernel's"),
+    (("cpu", "float32", "amx", True), "int8 activations run on GGUF blocks only"),
     (("cpu", "q4", None, False), "unknown weights 'q4'"),
 ])
 def test_kernel_name_errors(args, message):
@@ -32,7 +35,7 @@ def test_kernel_name_errors(args, message):
         compute_path_name(*args)
 
 
-@pytest.mark.parametrize("name", ["avx2", "gguf-avx2-int4", "GGUF-AVX2", "float32-avx512-"])
+@pytest.mark.parametrize("name", ["avx2", "gguf-avx2-int4", "GGUF-AVX2", "float32-avx512-", "gguf-amx", "float32-amx-int8"])
 def test_check_compute_path_name_rejects(name):
     with pytest.raises(ValueError, match="is not a compute path"):
         check_compute_path_name(name)
@@ -52,7 +55,10 @@ def test_engine_takes_the_table_of_its_own_compute_path(tiny_model_dirs, tmp_pat
     path = load_engine(model, drafter, **table, **kw).compute_path
     assert check_compute_path_name(path) == path and path.startswith("gguf-" if "gguf" in variant else "float32-")
     auto = load_engine(model, drafter, decode_activations="auto", **kw).compute_path  # int8 on GGUF blocks, any ISA
-    assert auto.endswith("-int8") == ("gguf" in variant) and auto.removesuffix("-int8") == path
+    assert auto.endswith("-int8") == ("gguf" in variant)
+    # the AVX-512 build's int8 kernel is AMX's where the CPU has it: that path has its own name
+    assert auto.removesuffix("-int8") == (path if auto != "gguf-amx-int8" else "gguf-amx") and \
+        (auto != "gguf-amx-int8" or path == "gguf-avx512")
     other = "gguf-avx512-int8" if path != "gguf-avx512-int8" else "gguf-avx2"
     ours = load_engine(model, drafter, **table, by_compute_path={path: {"table": mine}, other: {"table": "off"}}, **kw)
     assert ours.spec_policy.table == validate_schedule(mine) and ours.spec_selection.spec_max_load == 5

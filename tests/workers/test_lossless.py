@@ -268,15 +268,15 @@ def test_greedy_spec_matches_plain_on_default_model(tmp_path, weights):
 
 def test_greedy_spec_matches_plain_on_int8_activations(tiny_model_dirs, trained_drafter_dirs, isa):
     """Decode rows and tree rows on the int8-activation kernel (llama.cpp's Q8_1 activations), on
-    every kernel build this CPU runs (``RDSERVE_CPU_ISA``): the AVX-512 build takes the AVX512-VNNI
-    kernel where the CPU has it, the AVX2 build the AVX2 kernel (so an AVX-512 machine runs the AVX2
+    every kernel build this CPU runs (``RDSERVE_CPU_ISA``): the AVX-512 build takes the AMX kernel
+    where the CPU has AMX (tree rows of 8-10 or more on the tiles), else AVX512-VNNI, the AVX2 build the AVX2 kernel (so an AVX-512 machine runs the AVX2
     path end to end too), and the engine names the path that runs. Each row still depends on itself
     alone, so spec output equals plain output; 16 random cases, with and without a prompt-lookup
     beam. The output differs from the float32 kernel's somewhere, so the setting was really in effect."""
-    from workers.kernels import build
-    from workers.kernels.quant_linear import INT8_CPU_FLAGS, QuantLinear
+    from workers.kernels.quant_linear import QuantLinear, best_int8_kernel
 
-    int8_kernel = "vnni" if isa == "avx512" and not build.missing_cpu_flags(INT8_CPU_FLAGS) else "avx2"
+    int8_kernel = best_int8_kernel()  # amx, vnni or avx2: follows the build (RDSERVE_CPU_ISA) and the CPU
+    path = "gguf-amx-int8" if int8_kernel == "amx" else f"gguf-{isa}-int8"
     multi, differs = 0, 0
     for case in range(16):
         rng = random.Random(2000 + case)
@@ -285,7 +285,7 @@ def test_greedy_spec_matches_plain_on_int8_activations(tiny_model_dirs, trained_
                      prompt_lookup_num_tokens=rng.choice([0, 4]), prompt_lookup_min=1, max_seq_len=256)
         engine = load_engine(str(tiny_model_dirs[variant]), str(trained_drafter_dirs[variant]),
                         decode_activations="int8", **shape)
-        assert engine.decode_activations == "int8" and engine.compute_path == f"gguf-{isa}-int8"
+        assert engine.decode_activations == "int8" and engine.compute_path == path
         linears = [m for m in [*engine.model.modules(), *engine.drafter.modules()] if isinstance(m, QuantLinear)]
         assert {(m.isa, m.int8_kernel) for m in linears} == {(isa, int8_kernel)}
         prompt = random_prompt(rng, len(engine.tokenizer))
@@ -299,3 +299,40 @@ def test_greedy_spec_matches_plain_on_int8_activations(tiny_model_dirs, trained_
             differs += run(reference, prompt, params, "plain").token_ids != plain.token_ids
     assert multi >= 10, "the drafter was rarely accepted; the comparison is weak"
     assert differs >= 1, "int8 activations gave the float32 kernel's output on every prompt: not in effect?"
+
+
+def test_amx_and_vnni_engines_decode_the_same_tokens(tiny_model_dirs, trained_drafter_dirs, monkeypatch):
+    """End to end on the AMX int8 kernel: 4x4 draft trees (17+ rows per step: the tiles) and plain
+    steps decode exactly the tokens the AVX512-VNNI kernel decodes (``RDSERVE_AMX=0``), spec and
+    plain, on both tiny variants."""
+    from workers.kernels.quant_linear import QuantLinear, amx_unavailable
+
+    if not build.available() or "avx512" not in build.supported_isas():
+        pytest.skip("needs AVX-512 kernels (this CPU cannot run the avx512 build)")
+    if amx_unavailable():
+        pytest.skip(f"needs AMX-INT8 ({amx_unavailable()})")
+    rng = random.Random(77)
+    runs, multi = {}, 0
+    for amx in ("1", "0"):
+        monkeypatch.setenv("RDSERVE_AMX", amx)
+        for variant in VARIANTS:
+            engine = load_engine(str(tiny_model_dirs[weights_variant(variant, "gguf")]),
+                                 str(trained_drafter_dirs[weights_variant(variant, "gguf")]), decode_activations="int8",
+                                 num_beams=4, draft_len_per_beam=4, prompt_lookup_num_tokens=4, prompt_lookup_min=1,
+                                 max_seq_len=256)
+            kernels = {m.int8_kernel for m in engine.model.modules() if isinstance(m, QuantLinear)}
+            assert kernels == {"amx" if amx == "1" else "vnni"}
+            assert engine.compute_path == ("gguf-amx-int8" if amx == "1" else "gguf-avx512-int8")
+            rng.seed(5)
+            for case in range(4):
+                prompt = random_prompt(rng, len(engine.tokenizer))
+                params = SamplingParams(max_tokens=32)
+                for mode in ("spec", "plain"):
+                    out = run(engine, prompt, params, mode)
+                    runs[amx, variant, case, mode] = out.token_ids
+                    multi += mode == "spec" and sum(a >= 2 for a in out.step_accepted)
+    for (amx, variant, case, mode), tokens in runs.items():
+        if amx == "1":
+            assert tokens == runs["0", variant, case, mode], (variant, case, mode)
+            assert tokens == runs["1", variant, case, "plain"], (variant, case, "spec != plain")
+    assert multi >= 4, "the drafter was rarely accepted; the trees were hardly used"

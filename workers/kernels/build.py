@@ -45,10 +45,11 @@ log = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
 SOURCES = [HERE / "packed_gemm.c", HERE / "q4_1_gemm.c", HERE / "q8_0_gemm.c", HERE / "q4_1_vnni.c",
-           HERE / "q8_0_vnni.c", HERE / "int8_avx2.c", HERE / "rms_norm.c", HERE / "decode_attention.c", HERE / "rope_kv.c", HERE / "decoder.c",
+           HERE / "q8_0_vnni.c", HERE / "int8_amx.c", HERE / "int8_avx2.c", HERE / "rms_norm.c", HERE / "decode_attention.c", HERE / "rope_kv.c", HERE / "decoder.c",
            HERE / "drafter.c"]
-HEADERS = [HERE / "simd.h", HERE / "panel_gemm.h", HERE / "vnni_gemm.h", HERE / "int8_linear.h", HERE / "linear_dispatch.h"]
-INT8_ENTRIES = ("rd_linear_q4_1_vnni", "rd_linear_q8_0_vnni", "rd_linear_q4_1_int8_avx2", "rd_linear_q8_0_int8_avx2")
+HEADERS = [HERE / "simd.h", HERE / "panel_gemm.h", HERE / "vnni_gemm.h", HERE / "amx_gemm.h", HERE / "int8_linear.h", HERE / "linear_dispatch.h"]
+INT8_ENTRIES = ("rd_linear_q4_1_vnni", "rd_linear_q8_0_vnni", "rd_linear_q4_1_amx", "rd_linear_q8_0_amx",
+                "rd_linear_q4_1_int8_avx2", "rd_linear_q8_0_int8_avx2")
 FLAGS = ["-O3", "-mtune=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 ISA_FLAGS = {
     "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"],
@@ -283,6 +284,7 @@ def _load_once(isa: str) -> tuple[ctypes.CDLL | None, KernelUnavailable | None]:
     lib.rd_draft_distinct_first.argtypes = [P, P, P, L, L, L, P]
     lib.rd_draft_distinct_first.restype = ctypes.c_int
     lib.rd_panel_width.restype = ctypes.c_int
+    lib.rd_amx_request.restype = ctypes.c_int
     lib.rd_isa.restype = ctypes.c_char_p
     return lib, None
 

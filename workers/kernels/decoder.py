@@ -25,7 +25,8 @@ from workers.kernels.packed_linear import PackedLinear
 from workers.kernels.quant_linear import QuantLinear
 
 LINEAR_KINDS = {"rd_linear_packed": 0, "rd_linear_q4_1": 1, "rd_linear_q8_0": 2, "rd_linear_q4_1_vnni": 3,
-                "rd_linear_q8_0_vnni": 4, "rd_linear_q4_1_int8_avx2": 5, "rd_linear_q8_0_int8_avx2": 6}
+                "rd_linear_q8_0_vnni": 4, "rd_linear_q4_1_int8_avx2": 5, "rd_linear_q8_0_int8_avx2": 6,
+                "rd_linear_q4_1_amx": 7, "rd_linear_q8_0_amx": 8}
 _L, _P = ctypes.c_long, ctypes.c_void_p
 
 

@@ -27,13 +27,19 @@ typedef void (*int8_quantizer)(const float *x, long first, long last, int8_t *a,
 typedef void (*int8_kernel)(const int8_t *a, const float *scale, const float *asum, long K, const uint8_t *w,
                             const float *bias, float *y, long ldy, long nvalid);
 
+/* Called by each thread before its first kernel call of a row count (mr rows) and, with 0, after
+ * its last (AMX: load the tile configuration for mr rows, then release the tiles); or NULL. */
+typedef void (*int8_rows_setup)(int mr);
+
 /* x is quantized by the calling thread when it is at most INT8_SERIAL_BLOCKS blocks (decode steps
  * and small trees: cheaper than a barrier), else by all threads (an equal share of its blocks
- * each); then the threads split the panels. kernels[1..rows] take 1..rows rows. Returns 0, or -1
- * (y untouched) when the buffer for the quantized activations cannot be allocated. */
+ * each); then the threads split the panels. kernels[1..rows] take 1..rows rows; setup (or NULL)
+ * as int8_rows_setup says. Returns 0, or -1 (y untouched) when the buffer for the quantized
+ * activations cannot be allocated. */
 #define INT8_SERIAL_BLOCKS 256
-static inline int int8_linear(int8_quantizer quantize, const int8_kernel *kernels, int rows, size_t block_bytes,
-                              const float *x, const void *w, const float *bias, float *y, long M, long K, long N) {
+static inline int int8_linear_setup(int8_quantizer quantize, const int8_kernel *kernels, int rows, int8_rows_setup setup,
+                                    size_t block_bytes, const float *x, const void *w, const float *bias, float *y,
+                                    long M, long K, long N) {
     const long nb = K / INT8_KBLOCK, panels = (N + INT8_PANEL - 1) / INT8_PANEL, blocks = M * nb;
     const size_t panel_bytes = (size_t)nb * block_bytes;
     float *scale = malloc((size_t)blocks * 2 * sizeof(float) + (size_t)M * K);
@@ -49,19 +55,27 @@ static inline int int8_linear(int8_quantizer quantize, const int8_kernel *kernel
             quantize(x, blocks * t / T, blocks * (t + 1) / T, a, scale, asum);
 #pragma omp barrier
         }
-#pragma omp for schedule(static)
+        long ready = 0; /* the row count setup was last called with */
+#pragma omp for schedule(static) nowait
         for (long p = 0; p < panels; p++) {
             long n0 = p * INT8_PANEL;
             long nvalid = N - n0 < INT8_PANEL ? N - n0 : INT8_PANEL;
             for (long m0 = 0; m0 < M; m0 += rows) {
                 long mr = M - m0 < rows ? M - m0 : rows;
+                if (setup && mr != ready) setup((int)(ready = mr));
                 kernels[mr](a + m0 * K, scale + m0 * nb, asum + m0 * nb, K, (const uint8_t *)w + p * panel_bytes,
                             bias ? bias + n0 : NULL, y + m0 * N + n0, N, nvalid);
             }
         }
+        if (setup && ready) setup(0);
     }
     free(scale);
     return 0;
+}
+
+static inline int int8_linear(int8_quantizer quantize, const int8_kernel *kernels, int rows, size_t block_bytes,
+                              const float *x, const void *w, const float *bias, float *y, long M, long K, long N) {
+    return int8_linear_setup(quantize, kernels, rows, NULL, block_bytes, x, w, bias, y, M, K, N);
 }
 
 #endif

@@ -13,6 +13,8 @@ void rd_linear_q4_1(const float *x, const void *w, const float *bias, float *y, 
 void rd_linear_q8_0(const float *x, const void *w, const float *bias, float *y, long M, long K, long N);
 int rd_linear_q4_1_vnni(const float *x, const void *w, const float *bias, float *y, long M, long K, long N);
 int rd_linear_q8_0_vnni(const float *x, const void *w, const float *bias, float *y, long M, long K, long N);
+int rd_linear_q4_1_amx(const float *x, const void *w, const float *bias, float *y, long M, long K, long N);
+int rd_linear_q8_0_amx(const float *x, const void *w, const float *bias, float *y, long M, long K, long N);
 int rd_linear_q4_1_int8_avx2(const float *x, const void *w, const float *bias, float *y, long M, long K, long N);
 int rd_linear_q8_0_int8_avx2(const float *x, const void *w, const float *bias, float *y, long M, long K, long N);
 
@@ -27,7 +29,8 @@ static inline vf vsilu(vf x) {
 }
 
 /* Linear kinds, as workers/kernels/decoder.py names them. */
-enum { LIN_PACKED, LIN_Q4_1, LIN_Q8_0, LIN_Q4_1_VNNI, LIN_Q8_0_VNNI, LIN_Q4_1_I8_AVX2, LIN_Q8_0_I8_AVX2 };
+enum { LIN_PACKED, LIN_Q4_1, LIN_Q8_0, LIN_Q4_1_VNNI, LIN_Q8_0_VNNI, LIN_Q4_1_I8_AVX2, LIN_Q8_0_I8_AVX2, LIN_Q4_1_AMX,
+       LIN_Q8_0_AMX };
 
 typedef struct {
     long kind, K, N;
@@ -45,6 +48,8 @@ static inline int linear(const rd_lin *l, const float *x, float *y, long M) {
     case LIN_Q8_0_VNNI: return rd_linear_q8_0_vnni(x, l->w, l->bias, y, M, l->K, l->N);
     case LIN_Q4_1_I8_AVX2: return rd_linear_q4_1_int8_avx2(x, l->w, l->bias, y, M, l->K, l->N);
     case LIN_Q8_0_I8_AVX2: return rd_linear_q8_0_int8_avx2(x, l->w, l->bias, y, M, l->K, l->N);
+    case LIN_Q4_1_AMX: return rd_linear_q4_1_amx(x, l->w, l->bias, y, M, l->K, l->N);
+    case LIN_Q8_0_AMX: return rd_linear_q8_0_amx(x, l->w, l->bias, y, M, l->K, l->N);
     default: return -2;
     }
 }

@@ -16,6 +16,10 @@ on, every other row on the int8-activation path (:meth:`QuantLinear.enable_int8_
 
 from __future__ import annotations
 
+import logging
+import os
+from functools import cache
+
 import numpy as np
 import torch
 
@@ -23,18 +27,48 @@ from workers.kernels import build
 from workers.kernels.gguf_blocks import FORMATS, dequantize_panels, panels_from_blocks, reorder_for_vnni
 from workers.kernels.prefill_bf16 import prefill_linear
 
+log = logging.getLogger(__name__)
+
 _ENTRY = {"Q4_1": "rd_linear_q4_1", "Q8_0": "rd_linear_q8_0"}
 _INT8_ENTRY = {("vnni", "Q4_1"): "rd_linear_q4_1_vnni", ("vnni", "Q8_0"): "rd_linear_q8_0_vnni",
+               ("amx", "Q4_1"): "rd_linear_q4_1_amx", ("amx", "Q8_0"): "rd_linear_q8_0_amx",
                ("avx2", "Q4_1"): "rd_linear_q4_1_int8_avx2", ("avx2", "Q8_0"): "rd_linear_q8_0_int8_avx2"}
 INT8_CPU_FLAGS = {"avx512f", "avx512bw", "avx512_vnni"}  # vnni_gemm.h's instructions, as /proc/cpuinfo names them
-INT8_KERNELS = ("vnni", "avx2")
+AMX_CPU_FLAGS = INT8_CPU_FLAGS | {"amx_tile", "amx_int8"}  # amx_gemm.h's
+INT8_KERNELS = ("amx", "vnni", "avx2")
+
+
+def amx_unavailable() -> str | None:
+    """Why the ``amx`` int8 kernel cannot run in this process (the CPU flags it lacks, AMX switched
+    off with ``RDSERVE_AMX=0``, or Linux refusing the tile state), or None when it can. Asks Linux
+    for the tile state (``arch_prctl(ARCH_REQ_XCOMP_PERM)``, once per process) when the CPU has AMX.
+    Like the vnni kernel, it is in both kernel builds (a ``target`` attribute), but only the AVX-512
+    build chooses it by default (:func:`best_int8_kernel`)."""
+    missing = build.missing_cpu_flags(AMX_CPU_FLAGS)
+    if missing:
+        return f"this CPU lacks {', '.join(missing)}"
+    if os.environ.get("RDSERVE_AMX", "1").strip().lower() in ("0", "off", "false", "no"):
+        return "switched off by RDSERVE_AMX"
+    return _amx_permission()
+
+
+@cache
+def _amx_permission() -> str | None:
+    code = build.library(build.active_isa()).rd_amx_request()
+    if code:
+        log.warning("AMX tiles refused by the kernel (arch_prctl ARCH_REQ_XCOMP_PERM returned %d): using the "
+                    "AVX512-VNNI int8 kernel", code)
+        return "Linux refused the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM; needs Linux 5.16 or later)"
+    return None
 
 
 def best_int8_kernel() -> str:
-    """The int8-activation kernel of the compute path in use: ``"vnni"`` (AVX512-VNNI) where the CPU
-    has :data:`INT8_CPU_FLAGS` and the AVX-512 build is in use, else ``"avx2"`` (``int8_avx2.c``; same
-    results bit for bit on finite activations). Forcing ``RDSERVE_CPU_ISA=avx2`` therefore runs no
-    AVX-512 instruction at all: the int8 kernel follows the build, so the path a replica names
+    """The int8-activation kernel of the compute path in use: ``"amx"`` (AMX tiles for calls of two
+    rows or more, AVX512-VNNI below; ``int8_amx.c``) where :func:`amx_unavailable` finds nothing
+    against it, else ``"vnni"`` (AVX512-VNNI) where the CPU has :data:`INT8_CPU_FLAGS` and the
+    AVX-512 build is in use, else ``"avx2"`` (``int8_avx2.c``). All three give the same results bit
+    for bit on finite activations. Forcing ``RDSERVE_CPU_ISA=avx2`` therefore runs no AVX-512
+    instruction at all: the int8 kernel follows the build, so the path a replica names
     (``gguf-avx2-int8``) is the one that runs.
 
     Raises:
@@ -42,7 +76,7 @@ def best_int8_kernel() -> str:
     """
     if build.missing_cpu_flags(INT8_CPU_FLAGS) or build.active_isa() != "avx512":
         return "avx2"
-    return "vnni"
+    return "vnni" if amx_unavailable() else "amx"
 
 
 class QuantLinear(torch.nn.Module):
@@ -80,7 +114,7 @@ class QuantLinear(torch.nn.Module):
         self.isa = build.load()  # fail here, not in the first forward
         self.prefill_weight: torch.Tensor | None = None  # bfloat16 [N, K] once enable_bf16_prefill()
         self.int8_activations = False  # True once enable_int8_activations()
-        self.int8_kernel: str | None = None  # "vnni" or "avx2" once enable_int8_activations()
+        self.int8_kernel: str | None = None  # "amx", "vnni" or "avx2" once enable_int8_activations()
         self._entry = _ENTRY[fmt]
 
     def enable_bf16_prefill(self) -> None:
@@ -103,14 +137,15 @@ class QuantLinear(torch.nn.Module):
         bytes per weight, :func:`~workers.kernels.gguf_blocks.reorder_for_vnni`); :attr:`weight` is
         unchanged. Idempotent; a second call may switch the kernel.
 
-        kernel: ``"vnni"`` (AVX512-VNNI ``vpdpbusd``, 64 products per instruction; ``vnni_gemm.h``),
-        ``"avx2"`` (``vpmaddubsw``, 32 per instruction; ``int8_avx2.c``), both the same bits on finite activations, or
-        None for :func:`best_int8_kernel`.
+        kernel: ``"amx"`` (AMX ``TDPBSUD``, 1,024 products per instruction, for calls of 2 rows or
+        more, the vnni kernel for one; ``amx_gemm.h``), ``"vnni"`` (AVX512-VNNI ``vpdpbusd``, 64
+        products per instruction; ``vnni_gemm.h``), ``"avx2"`` (``vpmaddubsw``, 32 per instruction;
+        ``int8_avx2.c``), all the same bits on finite activations, or None for :func:`best_int8_kernel`.
 
         Raises:
             ValueError: an unknown kernel.
-            KernelUnavailable: ``"vnni"`` on a CPU without AVX512-VNNI (or AVX512F / AVX512BW); the
-                message names what it lacks.
+            KernelUnavailable: ``"vnni"`` on a CPU without AVX512-VNNI (or AVX512F / AVX512BW), or
+                ``"amx"`` where :func:`amx_unavailable` gives a reason; the message names it.
         """
         kernel = kernel or best_int8_kernel()
         if kernel not in INT8_KERNELS:
@@ -118,6 +153,9 @@ class QuantLinear(torch.nn.Module):
         missing = build.missing_cpu_flags(INT8_CPU_FLAGS) if kernel == "vnni" else []
         if missing:
             raise build.KernelUnavailable(f"the vnni int8 kernel needs AVX512-VNNI; this CPU lacks {', '.join(missing)}")
+        reason = amx_unavailable() if kernel == "amx" else None
+        if reason:
+            raise build.KernelUnavailable(f"the amx int8 kernel cannot run: {reason}")
         if not self.int8_activations:
             reorder_for_vnni(self.fmt, self.panels)
             self.int8_activations = True

@@ -1,9 +1,11 @@
-"""The int8-activation kernels (``QuantLinear.enable_int8_activations``): ``vnni``
-(workers/kernels/vnni_gemm.h: q4_1_vnni.c, q8_0_vnni.c; AVX512-VNNI) and ``avx2`` (int8_avx2.c; any
-CPU the kernels load on). The layout keeps every weight, they compute exactly the int8 activations
-they document (llama.cpp's Q8_1 quantization), their error against float64 is that of int8
-activations, a row's result is independent of M, its neighbours, the row block and the thread
-count, on each instruction-set build (``isa`` fixture), and the two kernels give the same bits."""
+"""The int8-activation kernels (``QuantLinear.enable_int8_activations``): ``amx``
+(workers/kernels/amx_gemm.h, int8_amx.c; AMX tiles for row blocks of 8-10 rows or more, VNNI below),
+``vnni`` (workers/kernels/vnni_gemm.h: q4_1_vnni.c, q8_0_vnni.c; AVX512-VNNI) and ``avx2``
+(int8_avx2.c; any CPU the kernels load on). The layout keeps every weight, they compute exactly the
+int8 activations they document (llama.cpp's Q8_1 quantization), their error against float64 is
+that of int8 activations, a row's result is independent of M, its neighbours, the row block and the
+thread count, on each instruction-set build (``isa`` fixture), and the three kernels give the same
+bits. Tests that should reach the AMX tiles send at least 16 rows."""
 
 from __future__ import annotations
 
@@ -17,18 +19,30 @@ from gguf.quants import dequantize, quantize
 from workers.kernels import build
 from workers.kernels.gguf_blocks import dequantize_panels, panels_from_blocks, reorder_for_vnni
 from workers.kernels.prefill_bf16 import prefill_linear
-from workers.kernels.quant_linear import INT8_CPU_FLAGS, QuantLinear
+from workers.kernels.quant_linear import INT8_CPU_FLAGS, INT8_KERNELS, QuantLinear, amx_unavailable
 
 FORMATS = ("Q4_1", "Q8_0")
-ROWS = {"vnni": 12, "avx2": 8}  # rows per register block: vnni_gemm.h's ROWS, int8_avx2.c's ROWS_Q4_1_AVX2 (Q8_0: 6)
+# rows per block: amx_gemm.h's AMX_ROWS, vnni_gemm.h's ROWS, int8_avx2.c's ROWS_Q4_1_AVX2 (Q8_0: 6)
+ROWS = {"amx": 16, "vnni": 12, "avx2": 8}
 NO_VNNI = build.missing_cpu_flags(INT8_CPU_FLAGS)
 
 
-@pytest.fixture(params=["vnni", "avx2"])
+def kernel_unavailable(kernel: str) -> str | None:
+    """The skip reason of an int8 kernel this machine cannot run, or None."""
+    if kernel == "vnni" and NO_VNNI:
+        return f"needs AVX512-VNNI (this CPU lacks {', '.join(NO_VNNI)})"
+    if kernel == "amx" and amx_unavailable():
+        return f"needs AMX-INT8 ({amx_unavailable()})"
+    return None
+
+
+@pytest.fixture(params=list(INT8_KERNELS))
 def kernel(request):
-    """The int8 kernel under test; ``vnni`` only where the CPU has AVX512-VNNI."""
-    if request.param == "vnni" and NO_VNNI:
-        pytest.skip(f"needs AVX512-VNNI (this CPU lacks {', '.join(NO_VNNI)})")
+    """The int8 kernel under test; ``vnni`` only where the CPU has AVX512-VNNI, ``amx`` where it has
+    AMX-TILE and AMX-INT8 and Linux grants the tile state."""
+    reason = kernel_unavailable(request.param)
+    if reason:
+        pytest.skip(reason)
     return request.param
 
 
@@ -100,8 +114,8 @@ def test_exact_when_every_value_is_an_integer(fmt, n, k, isa, kernel):
     blocks, w = integer_blocks(fmt, rng.integers(0, 16, (n, k)) if fmt == "Q4_1" else rng.integers(-128, 128, (n, k)))
     lin = QuantLinear(fmt, blocks, k)
     lin.enable_int8_activations(kernel)
-    x = rng.integers(-127, 128, (5, k))
-    x.reshape(5, k // 32, 32)[:, :, 0] = 127
+    x = rng.integers(-127, 128, (21, k))  # 16 rows (the AMX tiles) and 5 (the VNNI kernel)
+    x.reshape(21, k // 32, 32)[:, :, 0] = 127
     got = lin(torch.from_numpy(x.astype(np.float32)))
     assert torch.equal(got, torch.from_numpy((x @ w.T).astype(np.float32)))
 
@@ -116,7 +130,7 @@ def test_extreme_products_do_not_saturate(fmt, isa, kernel):
         blocks, w = integer_blocks(fmt, np.full((32, k), q))
         lin = QuantLinear(fmt, blocks, k)
         lin.enable_int8_activations(kernel)
-        x = np.array([np.full(k, 127), np.full(k, -127), np.tile([127, -127], k // 2)])
+        x = np.tile([np.full(k, 127), np.full(k, -127), np.tile([127, -127], k // 2)], (6, 1))  # 18 rows
         got = lin(torch.from_numpy(x.astype(np.float32)))
         assert torch.equal(got, torch.from_numpy((x @ w.T).astype(np.float32))), q
 
@@ -128,7 +142,7 @@ def test_computes_the_documented_int8_quantization(fmt, n, k, bias, isa, kernel)
     only the float32 rounding of the per-block sums remains (~2e-7 of the output's scale), far
     below what one activation rounded the other way would change (~1e-3)."""
     lin, w = int8_layer(fmt, n, k, kernel, seed=n + k, bias=bias)
-    for m in (1, 3, 13):
+    for m in (1, 3, 13, 29):
         x = torch.randn(m, k)
         got = lin(x).double().numpy()
         want = int8_activations(x.numpy()) @ w.T + (0 if lin.bias is None else lin.bias.double().numpy())
@@ -152,7 +166,7 @@ def test_error_against_float64_is_that_of_int8_activations(fmt, n, k, isa, kerne
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_zero_and_subnormal_blocks_contribute_nothing(fmt, isa, kernel):
     lin, w = int8_layer(fmt, 70, 128, kernel, bias=True)
-    x = torch.randn(4, 128)
+    x = torch.randn(16, 128)
     x[0, 32:64] = 0.0  # an all-zero block: scale 0, no NaN
     x[1] = 0.0  # a zero row: exactly the bias
     x[2, 64:96] = 1e-39  # subnormal scale: treated as zero
@@ -205,21 +219,27 @@ def test_both_builds_compute_the_same_bits(fmt, kernel, monkeypatch):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_vnni_and_avx2_kernels_compute_the_same_bits(fmt, isa):
-    """The AVX2 kernel is the VNNI kernel's twin: same quantization, same exact integer sums (Q8_0
-    through |qs| and the moved sign instead of qs + 128), same float32 operations per output."""
-    if NO_VNNI:
-        pytest.skip(f"needs AVX512-VNNI (this CPU lacks {', '.join(NO_VNNI)})")
+def test_the_int8_kernels_compute_the_same_bits(fmt, isa):
+    """The AVX2 and AMX kernels are the VNNI kernel's twins: same quantization, same exact integer
+    sums (AVX2's Q8_0 through |qs| and the moved sign instead of qs + 128; AMX's by tile products
+    per k-block), same float32 operations per output, for every row count around the AMX row
+    blocks (16 rows, the VNNI kernel below 10 rows for Q4_1, 8 for Q8_0)."""
+    runnable = [k for k in INT8_KERNELS if not kernel_unavailable(k)]
+    if len(runnable) < 2:
+        pytest.skip(kernel_unavailable("vnni") or "needs a second int8 kernel")
     blocks, _ = gguf_blocks(fmt, 200, 1536)
-    x = torch.randn(19, 1536) * torch.logspace(-3, 3, 19)[:, None]
+    x = torch.randn(41, 1536) * torch.logspace(-3, 3, 41)[:, None]
     x[3, :64] = 0.0
     bias = torch.randn(200)
-    outs = []
-    for kernel in ("vnni", "avx2"):
+    outs = {}
+    for kernel in runnable:
         lin = QuantLinear(fmt, blocks, 1536, bias)
         lin.enable_int8_activations(kernel)
-        outs.append(lin(x))
-    assert torch.equal(outs[0], outs[1])
+        outs[kernel] = [lin(x[:m]) for m in (1, 7, 8, 9, 10, 16, 17, 19, 25, 26, 41)]
+    first = runnable[0]
+    for kernel in runnable[1:]:
+        for got, want in zip(outs[kernel], outs[first]):
+            assert torch.equal(got, want), f"{kernel} vs {first}, {got.shape[0]} rows"
 
 
 def test_weight_state_dict_and_prefill_rows_are_unchanged(isa, kernel):
@@ -254,7 +274,30 @@ def test_the_vnni_kernel_needs_avx512_vnni_and_the_default_falls_back(isa, monke
     with pytest.raises(build.KernelUnavailable, match="needs AVX512-VNNI; this CPU lacks avx512_vnni"):
         lin.enable_int8_activations("vnni")
     assert not lin.int8_activations and torch.equal(lin.panels, panels)  # still on the float32 kernel
-    with pytest.raises(ValueError, match="int8 kernel must be one of vnni, avx2, got 'amx'"):
-        lin.enable_int8_activations("amx")
+    with pytest.raises(ValueError, match="int8 kernel must be one of amx, vnni, avx2, got 'sse'"):
+        lin.enable_int8_activations("sse")
     lin.enable_int8_activations()
     assert lin.int8_activations and lin.int8_kernel == "avx2" and "int8_kernel=avx2" in repr(lin)
+
+
+def test_the_amx_kernel_needs_amx_and_can_be_switched_off(isa, monkeypatch):
+    """Without AMX-TILE / AMX-INT8 the amx kernel is refused naming what is missing and the default
+    falls back to vnni; with ``RDSERVE_AMX=0`` too (before asking Linux for the tile state)."""
+    blocks, _ = gguf_blocks("Q8_0", 32, 64)
+    lin = QuantLinear("Q8_0", blocks, 64)
+    flags = build._cpu_flags()
+    have = set(flags.split())
+    claimed = " ".join(sorted(have | {"avx512f", "avx512bw", "avx512_vnni", "amx_tile", "amx_int8"}))
+    monkeypatch.setattr(build, "_cpu_flags", lambda: claimed.replace(" amx_int8", ""))
+    with pytest.raises(build.KernelUnavailable, match="the amx int8 kernel cannot run: this CPU lacks amx_int8"):
+        lin.enable_int8_activations("amx")
+    assert not lin.int8_activations
+    monkeypatch.setattr(build, "_cpu_flags", lambda: claimed)
+    monkeypatch.setenv("RDSERVE_AMX", "0")
+    assert amx_unavailable() == "switched off by RDSERVE_AMX"
+    with pytest.raises(build.KernelUnavailable, match="switched off by RDSERVE_AMX"):
+        lin.enable_int8_activations("amx")
+    if isa == "avx512":
+        from workers.kernels.quant_linear import best_int8_kernel
+
+        assert best_int8_kernel() == "vnni"
