@@ -8,9 +8,16 @@ In float32 on CPU the engine runs its linear layers on the packed kernels (``wor
 plain decoding is also timed with torch's own GEMM (``RDSERVE_CPU_KERNELS=0``, input-major
 weights), and the speedup is taken against the faster of the two plain figures.
 
+With ``--policy auto`` the spec engine keeps the config's speculation policy (the goodput model
+choosing plain or a tree shape each iteration, as a served replica does) instead of one fixed
+shape, and the table adds the shapes it chose (share of decode iterations). The compute path and
+CPU are printed with the figures.
+
 Usage:
     python benchmarks/spec_vs_plain.py --config configs/local.yaml --prompts-per-category 6 \
         --max-tokens 128 --runs 3 --out benchmarks/results/spec_vs_plain
+    python benchmarks/spec_vs_plain.py --policy auto --prompts ../shared/datasets/broad/dev.jsonl \
+        --prompts-per-category 4 --max-tokens 192 --runs 1 --out benchmarks/results/spec_vs_plain_auto
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import json
 import os
 import statistics
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -31,6 +39,7 @@ from bench_spec import fixed_speculation
 from cluster.config import load_config
 from cluster.replica.build import build_engine
 from workers.engine import Engine
+from workers.kernels.build import cpu_model
 from workers.sampling_params import SamplingParams
 from workers.training.prompt_sources import build_prompts, first_per_category, require_datasets
 
@@ -56,18 +65,33 @@ def main() -> None:
     ap.add_argument("--num-beams", type=int)
     ap.add_argument("--draft-len-per-beam", type=int)
     ap.add_argument("--dtype", help="override engine.dtype")
+    ap.add_argument("--policy", choices=("fixed", "auto"), default="fixed",
+                    help="fixed: one shape (the config's or --num-beams/--draft-len-per-beam); auto: the config's "
+                    "speculation policy, shapes chosen per iteration")
     ap.add_argument("--out", default="benchmarks/results/spec_vs_plain")
     args = ap.parse_args()
 
     cfg = load_config(args.config)
     if args.dtype:
         cfg.engine = cfg.engine.model_copy(update={"dtype": args.dtype})
-    # measure the num_beams x draft_len_per_beam shape (policy fixed), not the config's policy
     shape = {"num_beams": args.num_beams, "draft_len_per_beam": args.draft_len_per_beam}
-    cfg.speculation = fixed_speculation(cfg.speculation, **{k: v for k, v in shape.items() if v})
+    if args.policy == "fixed":  # measure the num_beams x draft_len_per_beam shape, not the config's policy
+        cfg.speculation = fixed_speculation(cfg.speculation, **{k: v for k, v in shape.items() if v})
+    elif any(shape.values()):
+        ap.error("--num-beams / --draft-len-per-beam fix a shape: not with --policy auto")
     e = cfg.engine
     engine = build_engine(cfg)
     engines = {"plain": engine, "spec": engine}
+    chosen: Counter = Counter()  # decode iterations of the spec runs by the shape the policy chose
+    counting = [False]
+    observe = engine.spec_policy.observe_step  # called once per generation-only iteration with its shape
+
+    def count(spec_shape, *rest):
+        if counting[0]:
+            chosen["plain" if not spec_shape else f"{spec_shape[0]}x{spec_shape[1]}"] += 1
+        return observe(spec_shape, *rest)
+
+    engine.spec_policy.observe_step = count
     if e.dtype == "float32" and e.device == "cpu" and not args.no_torch_plain:
         os.environ["RDSERVE_CPU_KERNELS"] = "0"
         engines["plain_torch"] = build_engine(cfg)
@@ -92,7 +116,9 @@ def main() -> None:
         for mode, eng in engines.items():
             times, last = [], None
             for _ in range(args.runs):
+                counting[0] = mode == "spec"
                 dt, last = run_once(eng, ids, mode.removesuffix("_torch"), args.max_tokens)
+                counting[0] = False
                 times.append(dt)
             row[mode] = {
                 "latency_s": statistics.median(times), "completion_tokens": last.completion_tokens,
@@ -117,8 +143,13 @@ def main() -> None:
 
     summary = {cat: summarize([r for r in rows if r["category"] == cat]) for cat in by_cat}
     summary["all"] = summarize(rows)
+    total = sum(chosen.values())
+    shares = ", ".join(f"{k} {v / total:.0%}" for k, v in chosen.most_common()) if total else "not recorded"
+    policy = (f"policy auto ({engine.spec_selection.source}); shapes chosen (decode iterations): {shares}"
+              if args.policy == "auto" else
+              f"num_beams={engine.speculation.num_beams}, draft_len_per_beam={engine.speculation.draft_len_per_beam}")
     lines = [
-        f"num_beams={engine.speculation.num_beams}, draft_len_per_beam={engine.speculation.draft_len_per_beam}, dtype={e.dtype}, "
+        f"{cpu_model()}, compute path {engine.compute_path}; {policy}, dtype={e.dtype}, "
         f"threads={torch.get_num_threads()}, max_tokens={args.max_tokens}, runs={args.runs} (median)",
         "",
         "| category | prompts | plain tokens/s | plain, torch GEMM | spec tokens/s | speedup | spec tokens/step |",
@@ -133,7 +164,8 @@ def main() -> None:
         )
     table = "\n".join(lines)
     print(table)
-    write_report(args.out, table, {"summary": summary, "rows": rows, "args": vars(args)})
+    write_report(args.out, table, {"summary": summary, "rows": rows, "args": vars(args), "cpu": cpu_model(),
+                                   "compute_path": engine.compute_path, "shapes_chosen": dict(chosen)})
 
 
 if __name__ == "__main__":

@@ -19,6 +19,10 @@ The AVX512-VNNI kernels (``vnni_gemm.h``: ``q4_1_vnni.c``, ``q8_0_vnni.c``) are 
 variants through GCC's / Clang's ``target`` function attribute, not a command-line flag, so each
 library still loads on CPUs without VNNI; callers run them only where :func:`missing_cpu_flags`
 finds their flags. Their AVX2 twins (``int8_avx2.c``, the same results bit for bit) run anywhere.
+So are the AMX kernels (``amx_gemm.h``: ``int8_amx.c``; the same results again), which run only
+after ``rd_amx_request`` obtained the tile state from Linux
+(:func:`~workers.kernels.quant_linear.amx_unavailable`). The assembler must know the AMX
+instructions (binutils 2.36 or later).
 
 Without AVX2+FMA+F16C the build is refused and torch's GEMM is used. Set ``RDSERVE_CPU_KERNELS=0``
 to use torch's GEMM anyway.
