@@ -7,6 +7,11 @@
   registers only, the instruction each kernel path uses: ``vpdpbusd`` on 512-bit registers
   (AVX512-VNNI, 64 multiply-adds each) and ``vpmaddubsw`` + ``vpmaddwd`` on 256-bit registers (the AVX2
   path, 32 each). Where the CPU lacks an instruction set its row says so.
+- **AMX int8** (where the CPU has AMX-INT8 and Linux grants the tile state): ``tdpbsud`` on full tiles
+  (16 x 16 x 64 bytes: 16,384 multiply-adds each, independent accumulators), and as rdserve's AMX
+  kernel must use it on GGUF blocks (``workers/kernels/amx_gemm.h``): K = 32 per product (a block's
+  own scale) and every product's 16 x 16 result stored to L1 for rescaling; the second row is the
+  ceiling of that kernel's integer part.
 
 Then, from the default model's shapes (SmolLM2-135M: 30 layers of Q4_1 linears plus the Q8_0 LM head),
 what a step must at least cost: weight bytes / bandwidth, and multiply-adds per row / peak.
@@ -38,6 +43,7 @@ C_SOURCE = r"""
 #include <stdlib.h>
 #include <time.h>
 #include <omp.h>
+#include <unistd.h>
 
 static double now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec + 1e-9 * t.tv_nsec; }
 
@@ -78,6 +84,42 @@ double vnni_peak(long iters) {
     return 8.0 * 64.0 * iters / dt;
 }
 
+typedef struct { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; } tilecfg;
+
+/* 0 when Linux grants this process the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM, XTILEDATA) */
+int amx_request(void) { return (int)syscall(158 /* SYS_arch_prctl */, 0x1023, 18); }
+
+/* int8 multiply-adds/s of tdpbsud on one core: 4 independent accumulators over tiles of 16 rows and
+   k_bytes (64: full tiles; 32: one GGUF block), each product's result stored to L1 when store */
+__attribute__((target("amx-tile,amx-int8")))
+double amx_peak(long iters, int k_bytes, int store) {
+    static int8_t a[16 * 64] __attribute__((aligned(64)));
+    static uint8_t b[16 * 64] __attribute__((aligned(64)));
+    static int32_t c[4][16 * 16] __attribute__((aligned(64)));
+    tilecfg cfg;
+    for (unsigned i = 0; i < sizeof cfg; i++) ((uint8_t *)&cfg)[i] = 0;
+    cfg.palette = 1;
+    for (int t = 0; t < 4; t++) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }                 /* C: tmm0-3 */
+    cfg.rows[4] = 16; cfg.colsb[4] = (uint16_t)k_bytes;                                   /* A: tmm4 */
+    cfg.rows[5] = (uint8_t)(k_bytes / 4); cfg.colsb[5] = 64;                              /* B: tmm5 */
+    __asm__ volatile("ldtilecfg %0" : : "m"(cfg));
+    __asm__ volatile("tileloadd (%0,%1,1), %%tmm4" : : "r"(a), "r"(64L));
+    __asm__ volatile("tileloadd (%0,%1,1), %%tmm5" : : "r"(b), "r"(64L));
+    __asm__ volatile("tilezero %%tmm0\n\ttilezero %%tmm1\n\ttilezero %%tmm2\n\ttilezero %%tmm3" : :);
+    double t0 = now();
+    for (long k = 0; k < iters; k++) {
+        __asm__ volatile("tdpbsud %%tmm5, %%tmm4, %%tmm0\n\ttdpbsud %%tmm5, %%tmm4, %%tmm1\n\t"
+                         "tdpbsud %%tmm5, %%tmm4, %%tmm2\n\ttdpbsud %%tmm5, %%tmm4, %%tmm3" : : : "memory");
+        if (store)
+            __asm__ volatile("tilestored %%tmm0, (%0,%4,1)\n\ttilestored %%tmm1, (%1,%4,1)\n\t"
+                             "tilestored %%tmm2, (%2,%4,1)\n\ttilestored %%tmm3, (%3,%4,1)"
+                             : : "r"(c[0]), "r"(c[1]), "r"(c[2]), "r"(c[3]), "r"(64L) : "memory");
+    }
+    double dt = now() - t0;
+    __asm__ volatile("tilerelease" : :);
+    return 4.0 * 16 * 16 * k_bytes * iters / dt;
+}
+
 __attribute__((target("avx2")))
 double avx2_peak(long iters) {
     /* 4 independent chains of vpmaddubsw -> vpmaddwd -> vpaddd (the AVX2 kernels' int8 dot product) */
@@ -108,9 +150,10 @@ def build(tmp: Path) -> ctypes.CDLL:
     src.write_text(C_SOURCE)
     subprocess.run(["cc", "-O3", "-fopenmp", "-mavx2", "-shared", "-fPIC", str(src), "-o", str(lib)], check=True)
     so = ctypes.CDLL(str(lib))
-    so.read_bw.restype = so.vnni_peak.restype = so.avx2_peak.restype = ctypes.c_double
+    so.read_bw.restype = so.vnni_peak.restype = so.avx2_peak.restype = so.amx_peak.restype = ctypes.c_double
     so.read_bw.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_int]
     so.vnni_peak.argtypes = so.avx2_peak.argtypes = [ctypes.c_long]
+    so.amx_peak.argtypes = [ctypes.c_long, ctypes.c_int, ctypes.c_int]
     return so
 
 
@@ -120,7 +163,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5, help="best of this many runs of each measurement")
     ap.add_argument("--out", default="benchmarks/results/machine_limits", help="output path without suffix")
     args = ap.parse_args()
-    flags = {f for f in ('avx2', 'avx512f', 'avx512bw', 'avx512_vnni', 'amx_int8', 'amx_bf16')
+    flags = {f for f in ('avx2', 'avx512f', 'avx512bw', 'avx512_vnni', 'amx_tile', 'amx_int8', 'amx_bf16')
              if not missing_cpu_flags({f})}
     threads = os.cpu_count() or 1
     with tempfile.TemporaryDirectory() as tmp:
@@ -132,15 +175,23 @@ def main() -> None:
         bwn = max(so.read_bw(buf, n, threads) for _ in range(args.repeats))
         vnni = max(so.vnni_peak(20_000_000) for _ in range(args.repeats)) if {"avx512f", "avx512bw", "avx512_vnni"} <= flags else None
         avx2 = max(so.avx2_peak(20_000_000) for _ in range(args.repeats)) if "avx2" in flags else None
+        amx = amx_block = None
+        if {"amx_tile", "amx_int8"} <= flags and so.amx_request() == 0:
+            amx = max(so.amx_peak(2_000_000, 64, 0) for _ in range(args.repeats))
+            amx_block = max(so.amx_peak(2_000_000, 32, 1) for _ in range(args.repeats))
     weight_bytes = LAYERS * LAYER_MACS * Q4_1_BYTES + VOCAB * HIDDEN * Q8_0_BYTES
     row_macs = LAYERS * LAYER_MACS + VOCAB * HIDDEN
     results = {"command": shlex.join(["python", *sys.argv]), "cpu": cpu_model(), "threads": threads,
                "read_gb_s_1_thread": bw1 / 1e9, "read_gb_s_all_threads": bwn / 1e9,
                "vnni_gmacs_per_core": vnni / 1e9 if vnni else None, "avx2_gmacs_per_core": avx2 / 1e9 if avx2 else None,
+               "amx_gmacs_per_core": amx / 1e9 if amx else None,
+               "amx_block_stored_gmacs_per_core": amx_block / 1e9 if amx_block else None,
                "default_model": {"weight_mb": weight_bytes / 1e6, "row_gmacs": row_macs / 1e9,
                                  "step_floor_ms_bandwidth": 1e3 * weight_bytes / bwn,
                                  "row_floor_ms_vnni_all_cores": 1e3 * row_macs / (vnni * threads) if vnni else None,
-                                 "row_floor_ms_avx2_all_cores": 1e3 * row_macs / (avx2 * threads) if avx2 else None}}
+                                 "row_floor_ms_avx2_all_cores": 1e3 * row_macs / (avx2 * threads) if avx2 else None,
+                                 "rows16_floor_ms_amx_block_all_cores":
+                                     1e3 * 16 * row_macs / (amx_block * threads) if amx_block else None}}
     d = results["default_model"]
     fmt = lambda v, spec=".1f": "-" if v is None else format(v, spec)  # noqa: E731
     table = "\n".join([
@@ -150,10 +201,15 @@ def main() -> None:
         f"| memory read GB/s | {bw1 / 1e9:.1f} | {bwn / 1e9:.1f} |",
         f"| int8 G multiply-adds/s, AVX512-VNNI vpdpbusd | {fmt(vnni and vnni / 1e9)} | {fmt(vnni and vnni * threads / 1e9)} |",
         f"| int8 G multiply-adds/s, AVX2 vpmaddubsw | {fmt(avx2 and avx2 / 1e9)} | {fmt(avx2 and avx2 * threads / 1e9)} |",
+        f"| int8 G multiply-adds/s, AMX tdpbsud, full tiles | {fmt(amx and amx / 1e9)} | {fmt(amx and amx * threads / 1e9)} |",
+        f"| int8 G multiply-adds/s, AMX as on GGUF blocks (K 32, each result stored) | {fmt(amx_block and amx_block / 1e9)} | "
+        f"{fmt(amx_block and amx_block * threads / 1e9)} |",
         "", f"SmolLM2-135M as shipped: {d['weight_mb']:.0f} MB of weights per step (Q4_1 layers, Q8_0 LM head), "
         f"{d['row_gmacs']:.3f} G multiply-adds per row. Floors on all threads: a step streams the weights in "
         f"{d['step_floor_ms_bandwidth']:.2f} ms; a row's multiply-adds take {fmt(d['row_floor_ms_vnni_all_cores'], '.3f')} ms "
-        f"(VNNI), {fmt(d['row_floor_ms_avx2_all_cores'], '.3f')} ms (AVX2)."])
+        f"(VNNI), {fmt(d['row_floor_ms_avx2_all_cores'], '.3f')} ms (AVX2); 16 rows' integer products on AMX "
+        f"tiles as the GGUF kernel uses them {fmt(d['rows16_floor_ms_amx_block_all_cores'], '.2f')} ms (before "
+        "their rescaling in vector registers)."])
     print(table)
     write_report(args.out, table, results)
 

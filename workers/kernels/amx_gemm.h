@@ -19,8 +19,9 @@
  * The kernels carry AMX_TARGET and use tile instructions: call them only where the CPU has amx_tile
  * and amx_int8 (and the VNNI kernels' flags), the process was granted the tile state
  * (rd_amx_request, int8_amx.c), and amx_setup(mr) configured the thread's tiles for their mr rows
- * (int8_linear_setup calls it per thread and row count, and releases the tiles after the thread's
- * last call, so other code on the thread, oneDNN's AMX GEMMs, never sees a configuration of ours).
+ * (int8_linear_setup has it called per thread and row count, and the tiles released after the
+ * thread's last call, so other code on the thread, oneDNN's AMX GEMMs, never sees a configuration
+ * of ours).
  */
 #ifndef RD_AMX_GEMM_H
 #define RD_AMX_GEMM_H
@@ -40,7 +41,7 @@ typedef struct {
     uint8_t rows[16];
 } amx_tilecfg;
 
-/* int8_rows_setup for the AMX kernels: configure the tiles for mr rows, or release them (mr = 0). */
+/* Configure this thread's tiles for mr rows, or release them (mr = 0). */
 static AMX_TARGET void amx_setup(int mr) {
     if (!mr) {
         _tile_release();

@@ -19,10 +19,11 @@ The AVX512-VNNI kernels (``vnni_gemm.h``: ``q4_1_vnni.c``, ``q8_0_vnni.c``) are 
 variants through GCC's / Clang's ``target`` function attribute, not a command-line flag, so each
 library still loads on CPUs without VNNI; callers run them only where :func:`missing_cpu_flags`
 finds their flags. Their AVX2 twins (``int8_avx2.c``, the same results bit for bit) run anywhere.
-So are the AMX kernels (``amx_gemm.h``: ``int8_amx.c``; the same results again), which run only
-after ``rd_amx_request`` obtained the tile state from Linux
-(:func:`~workers.kernels.quant_linear.amx_unavailable`). The assembler must know the AMX
-instructions (binutils 2.36 or later).
+So are the AMX kernels (``amx_gemm.h``: ``int8_amx.c``; the same results again), which use tiles
+only once ``rd_amx_request`` obtained the tile state from Linux
+(:func:`~workers.kernels.quant_linear.amx_unavailable`). They need GCC 11+ (or Clang 12+) and
+binutils 2.36+; where the compiler fails on them, the library is built again with ``-DRD_NO_AMX``
+(their entries then run the VNNI kernel) and a warning says so.
 
 Without AVX2+FMA+F16C the build is refused and torch's GEMM is used. Set ``RDSERVE_CPU_KERNELS=0``
 to use torch's GEMM anyway.
@@ -177,8 +178,13 @@ def build(isa: str | None = None) -> Path:
     try:
         cmd = [*_compiler(), *FLAGS, *ISA_FLAGS[isa], *map(str, SOURCES), "-o", tmp]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-        if proc.returncode:
-            raise KernelUnavailable(f"compiling the {isa} kernels failed:\n{proc.stderr.strip()}")
+        if proc.returncode:  # an older GCC or assembler may lack AMX: the rest of the kernels still build
+            retry = subprocess.run([*cmd[:-2], "-DRD_NO_AMX", "-o", tmp], capture_output=True, text=True, timeout=300)
+            if retry.returncode:
+                raise KernelUnavailable(f"compiling the {isa} kernels failed:\n{proc.stderr.strip()}")
+            log.warning("the %s kernels were built without the AMX int8 kernel (this compiler or assembler "
+                        "cannot build it; GCC 11+ and binutils 2.36+ can): %s", isa,
+                        proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "")
         if os.path.getsize(tmp) == 0:
             raise KernelUnavailable(f"the compiler wrote an empty library for the {isa} kernels")
         check = subprocess.run([sys.executable, "-c", f"import ctypes; ctypes.CDLL({tmp!r}).rd_panel_width()"],

@@ -27,9 +27,11 @@ typedef void (*int8_quantizer)(const float *x, long first, long last, int8_t *a,
 typedef void (*int8_kernel)(const int8_t *a, const float *scale, const float *asum, long K, const uint8_t *w,
                             const float *bias, float *y, long ldy, long nvalid);
 
-/* Called by each thread before its first kernel call of a row count (mr rows) and, with 0, after
- * its last (AMX: load the tile configuration for mr rows, then release the tiles); or NULL. */
-typedef void (*int8_rows_setup)(int mr);
+/* Called by each thread before a kernel call of mr rows when the thread's state is for `ready` rows
+ * (0: none yet); returns the row count its state is now for (AMX: loads the tile configuration for
+ * mr rows and returns mr, or leaves it and returns ready when mr rows take the VNNI kernel). Called
+ * with mr = 0 after the thread's last call when ready is not 0 (AMX: releases the tiles). Or NULL. */
+typedef int (*int8_rows_setup)(int mr, int ready);
 
 /* x is quantized by the calling thread when it is at most INT8_SERIAL_BLOCKS blocks (decode steps
  * and small trees: cheaper than a barrier), else by all threads (an equal share of its blocks
@@ -55,19 +57,19 @@ static inline int int8_linear_setup(int8_quantizer quantize, const int8_kernel *
             quantize(x, blocks * t / T, blocks * (t + 1) / T, a, scale, asum);
 #pragma omp barrier
         }
-        long ready = 0; /* the row count setup was last called with */
+        int ready = 0; /* the row count the thread's setup state is for (int8_rows_setup) */
 #pragma omp for schedule(static) nowait
         for (long p = 0; p < panels; p++) {
             long n0 = p * INT8_PANEL;
             long nvalid = N - n0 < INT8_PANEL ? N - n0 : INT8_PANEL;
             for (long m0 = 0; m0 < M; m0 += rows) {
                 long mr = M - m0 < rows ? M - m0 : rows;
-                if (setup && mr != ready) setup((int)(ready = mr));
+                if (setup && mr != ready) ready = setup((int)mr, ready);
                 kernels[mr](a + m0 * K, scale + m0 * nb, asum + m0 * nb, K, (const uint8_t *)w + p * panel_bytes,
                             bias ? bias + n0 : NULL, y + m0 * N + n0, N, nvalid);
             }
         }
-        if (setup && ready) setup(0);
+        if (setup && ready) setup(0, ready);
     }
     free(scale);
     return 0;

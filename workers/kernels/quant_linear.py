@@ -16,6 +16,7 @@ on, every other row on the int8-activation path (:meth:`QuantLinear.enable_int8_
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 from functools import cache
@@ -55,16 +56,24 @@ def amx_unavailable() -> str | None:
 @cache
 def _amx_permission() -> str | None:
     code = build.library(build.active_isa()).rd_amx_request()
-    if code:
-        log.warning("AMX tiles refused by the kernel (arch_prctl ARCH_REQ_XCOMP_PERM returned %d): using the "
-                    "AVX512-VNNI int8 kernel", code)
-        return "Linux refused the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM; needs Linux 5.16 or later)"
-    return None
+    if not code:
+        return None
+    if code == -3:
+        reason = "the kernel library was built without AMX (the compiler or assembler cannot build it)"
+    elif code == -errno.EINVAL:
+        reason = "Linux refused the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM: EINVAL; needs Linux 5.16 or later)"
+    elif code > -1000:
+        reason = (f"Linux refused the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM: "
+                  f"{errno.errorcode.get(-code, -code)}; a sandbox such as seccomp?)")
+    else:
+        reason = "Linux granted the AMX tile state but does not report it (arch_prctl ARCH_GET_XCOMP_PERM)"
+    log.warning("%s: using the AVX512-VNNI int8 kernel", reason)
+    return reason
 
 
 def best_int8_kernel() -> str:
-    """The int8-activation kernel of the compute path in use: ``"amx"`` (AMX tiles for calls of two
-    rows or more, AVX512-VNNI below; ``int8_amx.c``) where :func:`amx_unavailable` finds nothing
+    """The int8-activation kernel of the compute path in use: ``"amx"`` (AMX tiles for row blocks
+    of 10 rows or more on Q4_1 blocks, 8 on Q8_0, AVX512-VNNI below; ``int8_amx.c``) where :func:`amx_unavailable` finds nothing
     against it, else ``"vnni"`` (AVX512-VNNI) where the CPU has :data:`INT8_CPU_FLAGS` and the
     AVX-512 build is in use, else ``"avx2"`` (``int8_avx2.c``). All three give the same results bit
     for bit on finite activations. Forcing ``RDSERVE_CPU_ISA=avx2`` therefore runs no AVX-512
@@ -137,8 +146,8 @@ class QuantLinear(torch.nn.Module):
         bytes per weight, :func:`~workers.kernels.gguf_blocks.reorder_for_vnni`); :attr:`weight` is
         unchanged. Idempotent; a second call may switch the kernel.
 
-        kernel: ``"amx"`` (AMX ``TDPBSUD``, 1,024 products per instruction, for calls of 2 rows or
-        more, the vnni kernel for one; ``amx_gemm.h``), ``"vnni"`` (AVX512-VNNI ``vpdpbusd``, 64
+        kernel: ``"amx"`` (AMX ``TDPBSUD``, up to 8,192 products per instruction here, for row blocks
+        of 10 rows or more on Q4_1, 8 on Q8_0, the vnni kernel below; ``amx_gemm.h``, ``int8_amx.c``), ``"vnni"`` (AVX512-VNNI ``vpdpbusd``, 64
         products per instruction; ``vnni_gemm.h``), ``"avx2"`` (``vpmaddubsw``, 32 per instruction;
         ``int8_avx2.c``), all the same bits on finite activations, or None for :func:`best_int8_kernel`.
 

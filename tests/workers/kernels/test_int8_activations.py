@@ -301,3 +301,60 @@ def test_the_amx_kernel_needs_amx_and_can_be_switched_off(isa, monkeypatch):
         from workers.kernels.quant_linear import best_int8_kernel
 
         assert best_int8_kernel() == "vnni"
+
+
+def test_a_compiler_without_amx_still_builds_the_other_kernels(monkeypatch, tmp_path, caplog):
+    """A toolchain that cannot assemble AMX (GCC < 11, binutils < 2.36; here a compiler wrapper that
+    fails on int8_amx.c unless it is built with -DRD_NO_AMX) still gets every other kernel: the
+    library is rebuilt without AMX, says so, and its amx entries compute the VNNI kernel's bits."""
+    import ctypes
+    import logging
+    import shutil
+
+    if not build.available():
+        pytest.skip("CPU kernels unavailable here (no C compiler or no AVX2, or RDSERVE_CPU_KERNELS=0)")
+    cc = shutil.which("cc")
+    wrapper = tmp_path / "cc-without-amx"
+    wrapper.write_text(f'#!/bin/sh\ncase " $* " in *" -DRD_NO_AMX "*) ;; *int8_amx.c*) '
+                       f'echo "Error: no such instruction: tileloadd" >&2; exit 1;; esac\nexec {cc} "$@"\n')
+    wrapper.chmod(0o755)
+    monkeypatch.setenv("RDSERVE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("CC", str(wrapper))
+    with caplog.at_level(logging.WARNING, logger="workers.kernels.build"):
+        path = build.build()
+    assert "built without the AMX int8 kernel" in caplog.text and "tileloadd" in caplog.text
+    lib = ctypes.CDLL(str(path))
+    assert lib.rd_amx_request() == -3
+    if NO_VNNI:
+        return  # the entries' VNNI bits cannot be computed here; the build and the refusal were checked
+    blocks, _ = gguf_blocks("Q8_0", 64, 128)
+    lin = QuantLinear("Q8_0", blocks, 128)
+    lin.enable_int8_activations("vnni")
+    x = torch.randn(20, 128)
+    fn = getattr(lib, "rd_linear_q8_0_amx")
+    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3
+    fn.restype = ctypes.c_int
+    assert torch.equal(build.run_linear(fn, x, lin.panels, None, 128, 64), lin(x))
+
+
+def test_an_amx_layer_sent_to_a_new_process_works_there(tmp_path):
+    """The tile state is the process's: a layer switched to amx here and unpickled in a new Python
+    process (which never asked Linux for it) must not die of SIGILL there; its first call asks."""
+    import pickle
+    import subprocess
+    import sys
+
+    reason = kernel_unavailable("amx")
+    if reason:
+        pytest.skip(reason)
+    blocks, _ = gguf_blocks("Q4_1", 96, 576)
+    lin = QuantLinear("Q4_1", blocks, 576)
+    lin.enable_int8_activations("amx")
+    x = torch.randn(20, 576)
+    (tmp_path / "job.pkl").write_bytes(pickle.dumps((lin, x)))
+    code = ("import pickle, sys, torch; lin, x = pickle.loads(open(sys.argv[1], 'rb').read()); "
+            "assert lin.int8_kernel == 'amx'; torch.save(lin(x), sys.argv[2])")
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path / "job.pkl"), str(tmp_path / "out.pt")],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])  # -4: SIGILL
+    assert torch.equal(torch.load(tmp_path / "out.pt"), lin(x))
