@@ -33,7 +33,7 @@ from workers.redrafter.fused_draft import draft_distinct_first_fused
 from workers.redrafter.drafter import ReDrafter
 from workers.redrafter.prompt_lookup import NgramIndex, PromptLookup
 from workers.redrafter.tree import PrefixTree, build_prefix_tree
-from workers.sampling import SamplingParams, adjusted_probs, keyed_uniform, sample_keyed
+from workers.sampling import SamplingParams, adjusted_probs, greedy_tokens, keyed_uniform, sample_keyed
 from workers.sequence import Sequence
 
 
@@ -172,7 +172,7 @@ class ModelRunner:
             else:
                 processed = self._processed(node_logits, state, seq, row.tree, grammar_rows)
                 if state.params.greedy:
-                    path, bonus = accept_greedy(row.tree, processed.argmax(-1).tolist())
+                    path, bonus = accept_greedy(row.tree, greedy_tokens(processed).tolist())
                 else:
                     draws = [keyed_uniform(state.seed, seq.num_tokens + d) for d in range(int(row.tree.depths[-1]) + 1)]
                     path, bonus = accept_sampled(row.tree, adjusted_probs(processed, state.params), draws)
@@ -328,7 +328,7 @@ class ModelRunner:
         """The token at sequence position ``seq.num_tokens`` from its one row of ``logits`` (``[1, V]``)."""
         logits = self._processed(logits, state, seq, None)
         if state.params.greedy:
-            return logits.argmax(-1).tolist()
+            return greedy_tokens(logits).tolist()
         return sample_keyed(adjusted_probs(logits, state.params), [keyed_uniform(state.seed, seq.num_tokens)])
 
     @staticmethod

@@ -7,6 +7,15 @@ import torch
 from workers.sampling_params import SamplingParams
 
 
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """The argmax of each row of ``logits`` (``[N, V]`` -> ``[N]`` long; ties: the lowest index, as
+    ``torch.argmax``). ``max(dim).indices`` gives the same indices (first maximum, NaN counting as
+    the maximum) about 3x faster than ``argmax(dim)`` on CPU for the vocabulary's width (Xeon, 2
+    threads, 49,152 columns: 21 rows 0.26 against 0.73 ms, 1 row 0.022 against 0.063 ms); every
+    greedy step takes it once per request."""
+    return logits.max(dim=-1).indices
+
+
 def adjusted_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """The distribution the request samples from: temperature, then top-k, then top-p.
 
@@ -18,7 +27,7 @@ def adjusted_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     """
     if params.greedy:
         one_hot = torch.zeros_like(logits, dtype=torch.float32)
-        return one_hot.scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
+        return one_hot.scatter_(-1, greedy_tokens(logits)[:, None], 1.0)
     logits = logits.float()
     # no inf/inf at tiny T; and a T below float32's range (e.g. 1e-300) would round to 0 and give 0/0
     temperature = max(params.temperature, torch.finfo(torch.float32).tiny)

@@ -5,7 +5,7 @@ import pytest
 import torch
 from scipy.stats import chisquare, kstest, pearsonr
 
-from workers.sampling import SamplingParams, adjusted_probs, keyed_uniform, sample_keyed
+from workers.sampling import SamplingParams, adjusted_probs, greedy_tokens, keyed_uniform, sample_keyed
 
 
 def _softmax(values: list[float]) -> list[float]:
@@ -116,3 +116,16 @@ def test_sample_keyed_refuses_what_is_not_a_distribution(row):
     """As torch.multinomial did: NaN logits (an overflow) must fail the request, not emit a token."""
     with pytest.raises(RuntimeError, match="probability tensor"):
         sample_keyed(torch.tensor([row]), [0.5])
+
+
+def test_greedy_tokens_are_torch_argmax_with_ties_and_nan():
+    """The faster max(dim).indices picks what argmax picks: the first maximum, NaN as the maximum."""
+    torch.manual_seed(3)
+    x = torch.randn(40, 49152)
+    x[3, 10] = x[3, 20] = x[3].max() + 1  # a tie: the lower index
+    x[4, 7] = float("nan")
+    x[5] = 0.0  # every column ties
+    x[6, -1] = float("inf")
+    got = greedy_tokens(x)
+    assert got.dtype == torch.long and torch.equal(got, x.argmax(-1))
+    assert got[3] == 10 and got[4] == 7 and got[5] == 0 and got[6] == 49151
