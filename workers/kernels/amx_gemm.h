@@ -10,11 +10,11 @@
  * activations' s change per block), so C is zeroed, multiplied over K = 32 bytes, stored to L1 and
  * scaled per block, as llama.cpp's AMX path does for its block formats (ggml-cpu/amx/mmq.cpp).
  *
- * Tiles (palette 1), in two sets for alternate k-blocks: tmm0, tmm1 (tmm4, tmm5): C, mr x 16 int32
- * (rows of the panel 0-15, 16-31); tmm2 (tmm6): A, the mr quantized activation rows of the block
- * (mr x 32 int8, stride K); tmm3, tmm7: B, the block's 8 groups of 4 k for rows 0-15 and 16-31
- * (8 x 64 uint8). Q8_0's layout holds them as they are (row g of half h at 64 + 128 g + 64 h);
- * Q4_1's nibble pairs are split into a 1 KB scratch first.
+ * Tiles (palette 1), in two sets for alternate k-blocks: tmm0, tmm1 (set 1: tmm4, tmm5): C, mr x 16
+ * int32 (rows of the panel 0-15, 16-31); tmm2 (tmm6): A, the mr quantized activation rows of the
+ * block (mr x 32 int8, stride K); tmm3 (tmm7): B, the block's 8 groups of 4 k (8 x 64 uint8) for
+ * rows 0-15, then reloaded for rows 16-31. Q8_0's layout holds them as they are (row g of half h at
+ * 64 + 128 g + 64 h); Q4_1's nibble pairs are split into a 1 KB scratch per set first.
  *
  * The kernels carry AMX_TARGET and use tile instructions: call them only where the CPU has amx_tile
  * and amx_int8 (and the VNNI kernels' flags), the process was granted the tile state
