@@ -127,30 +127,13 @@ amx_rows(const int fmt, const int mr, const int8_t *a, const float *scale, const
             if (b + 1 < nb) AMX_ISSUE(0, 0, 1, 2, 3, b + 1);
             AMX_STORE(1, 4, 5);
         }
-        const uint8_t *blk = w + b * block_bytes;
-        __m512 d0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
-        __m512 d1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk + 1));
-        __m512 m0, m1;
-        if (fmt == VNNI_Q4_1) {
-            m0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk + 2));
-            m1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk + 3));
-        } else {
-            m0 = _mm512_mul_ps(d0, _mm512_set1_ps(-128.0f));
-            m1 = _mm512_mul_ps(d1, _mm512_set1_ps(-128.0f));
-        }
-        for (int m = 0; m < mr; m++) { /* vnni_rows' operations, in its order */
-            __m512 s = _mm512_set1_ps(scale[m * nb + b]), sa = _mm512_set1_ps(asum[m * nb + b]);
-            __m512 c0 = _mm512_fmadd_ps(d0, _mm512_cvtepi32_ps(_mm512_load_si512(dot[set][0][m])), _mm512_mul_ps(m0, sa));
-            __m512 c1 = _mm512_fmadd_ps(d1, _mm512_cvtepi32_ps(_mm512_load_si512(dot[set][1][m])), _mm512_mul_ps(m1, sa));
-            _mm512_store_ps(total[m], _mm512_fmadd_ps(c0, s, _mm512_load_ps(total[m])));
-            _mm512_store_ps(total[m] + 16, _mm512_fmadd_ps(c1, s, _mm512_load_ps(total[m] + 16)));
-        }
+        __m512 d0, d1, m0, m1;
+        block_scales(fmt, w + b * block_bytes, &d0, &d1, &m0, &m1);
+        for (int m = 0; m < mr; m++) /* vnni_rows' operations, in its order */
+            add_block(total[m], _mm512_load_si512(dot[set][0][m]), _mm512_load_si512(dot[set][1][m]),
+                      scale[m * nb + b], asum[m * nb + b], d0, d1, m0, m1);
     }
-    for (int m = 0; m < mr; m++) {
-        if (bias)
-            for (long j = 0; j < nvalid; j++) total[m][j] += bias[j];
-        memcpy(y + m * ldy, total[m], (size_t)nvalid * sizeof(float));
-    }
+    store_rows(mr, total, bias, y, ldy, nvalid);
 }
 
 /* NAME##_k1 .. NAME##_k16: amx_rows for FMT with 1..16 rows, and NAME##_kernels[1..16]. */

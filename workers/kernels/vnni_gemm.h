@@ -99,6 +99,41 @@ group_operands(const int fmt, const uint8_t *blk, int g, __m512i *q0, __m512i *q
     }
 }
 
+/* A block's weight scales d and minimums m for the panel's rows 0-15 (d0, m0) and 16-31 (d1, m1). */
+static inline __attribute__((always_inline)) VNNI_TARGET void
+block_scales(const int fmt, const uint8_t *blk, __m512 *d0, __m512 *d1, __m512 *m0, __m512 *m1) {
+    *d0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
+    *d1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk + 1));
+    if (fmt == VNNI_Q4_1) {
+        *m0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk + 2));
+        *m1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk + 3));
+    } else { /* q = w + 128: m = -128 d, exact */
+        *m0 = _mm512_mul_ps(*d0, _mm512_set1_ps(-128.0f));
+        *m1 = _mm512_mul_ps(*d1, _mm512_set1_ps(-128.0f));
+    }
+}
+
+/* One row's block: total[0..31] = fma(fma(d, D, m * A), s, total) with its integer sums D0, D1
+ * (columns 0-15, 16-31), activation scale s and sum A (the header's rounding, the same for every
+ * kernel that computes D). */
+static inline __attribute__((always_inline)) VNNI_TARGET void
+add_block(float *total, __m512i D0, __m512i D1, float s, float A, __m512 d0, __m512 d1, __m512 m0, __m512 m1) {
+    __m512 vs = _mm512_set1_ps(s), sa = _mm512_set1_ps(A);
+    __m512 c0 = _mm512_fmadd_ps(d0, _mm512_cvtepi32_ps(D0), _mm512_mul_ps(m0, sa));
+    __m512 c1 = _mm512_fmadd_ps(d1, _mm512_cvtepi32_ps(D1), _mm512_mul_ps(m1, sa));
+    _mm512_store_ps(total, _mm512_fmadd_ps(c0, vs, _mm512_load_ps(total)));
+    _mm512_store_ps(total + 16, _mm512_fmadd_ps(c1, vs, _mm512_load_ps(total + 16)));
+}
+
+/* rows rows of total ([row][PANEL]), + bias when not NULL, into y (row stride ldy, nvalid columns). */
+static inline void store_rows(int rows, float (*total)[PANEL], const float *bias, float *y, long ldy, long nvalid) {
+    for (int m = 0; m < rows; m++) {
+        if (bias)
+            for (long j = 0; j < nvalid; j++) total[m][j] += bias[j];
+        memcpy(y + m * ldy, total[m], (size_t)nvalid * sizeof(float));
+    }
+}
+
 /* MR quantized rows (a: stride K; scale, asum: stride K / 32) times one panel w into y (row
  * stride ldy, first nvalid columns). */
 static inline __attribute__((always_inline)) VNNI_TARGET void
@@ -126,29 +161,12 @@ vnni_rows(const int fmt, const int MR, const int8_t *a, const float *scale, cons
                 dot[m][1] = _mm512_dpbusd_epi32(dot[m][1], q1, av);
             }
         }
-        __m512 d0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
-        __m512 d1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk + 1));
-        __m512 m0, m1;
-        if (fmt == VNNI_Q4_1) {
-            m0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk + 2));
-            m1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk + 3));
-        } else { /* q = w + 128: m = -128 d, exact */
-            m0 = _mm512_mul_ps(d0, _mm512_set1_ps(-128.0f));
-            m1 = _mm512_mul_ps(d1, _mm512_set1_ps(-128.0f));
-        }
-        for (int m = 0; m < MR; m++) {
-            __m512 s = _mm512_set1_ps(scale[m * nb + b]), sa = _mm512_set1_ps(asum[m * nb + b]);
-            __m512 c0 = _mm512_fmadd_ps(d0, _mm512_cvtepi32_ps(dot[m][0]), _mm512_mul_ps(m0, sa));
-            __m512 c1 = _mm512_fmadd_ps(d1, _mm512_cvtepi32_ps(dot[m][1]), _mm512_mul_ps(m1, sa));
-            _mm512_store_ps(total[m], _mm512_fmadd_ps(c0, s, _mm512_load_ps(total[m])));
-            _mm512_store_ps(total[m] + 16, _mm512_fmadd_ps(c1, s, _mm512_load_ps(total[m] + 16)));
-        }
+        __m512 d0, d1, m0, m1;
+        block_scales(fmt, blk, &d0, &d1, &m0, &m1);
+        for (int m = 0; m < MR; m++)
+            add_block(total[m], dot[m][0], dot[m][1], scale[m * nb + b], asum[m * nb + b], d0, d1, m0, m1);
     }
-    for (int m = 0; m < MR; m++) {
-        if (bias)
-            for (long j = 0; j < nvalid; j++) total[m][j] += bias[j];
-        memcpy(y + m * ldy, total[m], (size_t)nvalid * sizeof(float));
-    }
+    store_rows(MR, total, bias, y, ldy, nvalid);
 }
 
 typedef int8_kernel vnni_kernel;
