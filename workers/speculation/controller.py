@@ -13,14 +13,18 @@ The engine asks every iteration, for the number of generation requests ``b``:
   anyway, so its estimate can recover.
 - :meth:`SpecController.observe`: after the iteration, the tokens each drafting request accepted.
   The replica's ``tau`` (for the shape in use) and each request's own are exponential moving
-  averages (weight ``ema_alpha`` per step), seeded from calibration. A replica held plain by low
-  acceptance drafts one iteration in ``probe_interval * patience`` (where calibration would
-  speculate), so its estimate follows traffic that became easier.
+  averages (weight ``ema_alpha`` per step), seeded from calibration. A replica held plain drafts one
+  iteration in ``probe_interval * patience`` with the shape that would pay most if the traffic
+  accepted at least what calibration did, so its estimate follows traffic that became easier, or that
+  was always easier than the calibration prompts (calibration's acceptance alone never rules a tree
+  out). A drafted step after a gap of ``g`` iterations weighs what ``g`` steps would have (at most
+  ``probe_weight``), so a few probes move the estimate as far as continuous drafting would.
 - :meth:`SpecController.observe_step`: after a generation-only iteration, its seconds. Step times
   are the seed table corrected by these live samples (:class:`workers.speculation.step_times.LiveStepCosts`);
-  a choice with too few samples at the current batch-size bucket runs one iteration now and then,
-  within a budget of the generation time (:mod:`workers.speculation.exploration`), so a seed that
-  makes a good choice look slow cannot hide it.
+  a choice with too few samples at the current batch-size bucket, or samples older than
+  ``explore_refresh``, runs one iteration now and then, within a budget of the generation time
+  (:mod:`workers.speculation.exploration`), so neither a seed nor a slow first minute that makes a
+  good choice look slow can hide it for good.
 
 Per-request state is a :class:`RequestSpecState` the engine keeps on the request (``Sequence.spec_state``).
 """
@@ -31,7 +35,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from workers.speculation.exploration import ProbeBudget, unexplored
-from workers.speculation.goodput import Shape, StepCosts, best_choice, break_even_tau, live_taus, rate_of
+from workers.speculation.goodput import (Shape, StepCosts, best_choice, break_even_tau, live_taus, plain_rate, rate_of,
+                                        spec_rate)
 from workers.speculation.shape import shape_text
 from workers.speculation.step_times import LiveStepCosts
 
@@ -48,6 +53,10 @@ class ControllerSettings:
     step_window: live step-time samples per (batch-size bucket, choice) in the moving median.
     explore_samples: a choice with fewer live samples than this at a bucket is probed there...
     explore_budget: ...while probes take at most this fraction of the generation time (0: never).
+    explore_refresh: a choice whose newest sample at the bucket is older than this many samples is
+        probed again; samples older than twice this leave the median once it is re-sampled.
+    probe_weight: the most one drafted step after a gap (a probe of a replica held plain) weighs in
+        the replica's tokens-per-step average.
     """
 
     margin: float = 0.05
@@ -58,6 +67,8 @@ class ControllerSettings:
     step_window: int = 16
     explore_samples: int = 2
     explore_budget: float = 0.05
+    explore_refresh: int = 512
+    probe_weight: float = 0.25
 
 
 @dataclass
@@ -84,7 +95,7 @@ class SpecController:
         step_time(b, shape, measured_s): the seconds an iteration of ``b`` requests with ``shape`` (None:
         no tree drafted) counts as; default the measured seconds. Tests and simulations pass a
         deterministic cost model here, so decisions do not depend on the machine's speed."""
-        self.costs = LiveStepCosts(costs, settings.step_window)
+        self.costs = LiveStepCosts(costs, settings.step_window, max_age=2 * settings.explore_refresh)
         self.step_time = step_time
         self.settings = settings
         self.budget = ProbeBudget(settings.explore_budget)
@@ -96,6 +107,8 @@ class SpecController:
         self._tau: tuple[Shape, float] | None = None  # (shape, live tokens per step): one assignment, so a
         # reader on another thread (routing stats) never pairs one shape with another's estimate
         self._plain_iterations = 0
+        self._iteration = 0  # shape_for calls: the clock of the gap between drafted steps
+        self._last_drafted: int | None = None  # the iteration of the last drafted step (None: none yet)
 
     # -- replica level ---------------------------------------------------------------------------
 
@@ -117,6 +130,7 @@ class SpecController:
     def shape_for(self, b: int) -> Shape | None:
         """The shape for an iteration with ``b`` generation requests (None: plain)."""
         self.probing = False
+        self._iteration += 1
         if b < 1 or not self.costs.shapes:
             return None
         taus = self.taus()
@@ -130,24 +144,38 @@ class SpecController:
             self._streak = 0
         if self._streak >= self.settings.patience:
             self.current, self._streak, self.switches = best.shape, 0, self.switches + 1
-        return self._explore(b, self._maybe_probe(b) if self.current is None else self.current)
+        choice = self._maybe_probe(b) if self.current is None else self.current
+        return choice if self.probing else self._explore(b, choice)
 
     def _explore(self, b: int, choice: Shape | None) -> Shape | None:
         """``choice``, or instead the cheapest choice with too few step-time samples at ``b``'s bucket
-        when the probe budget affords its estimated step."""
-        waiting = unexplored(self.costs, b, choice, self.settings.explore_samples)
+        (or only old ones) when the probe budget affords its estimated step."""
+        waiting = unexplored(self.costs, b, choice, self.settings.explore_samples, self.settings.explore_refresh)
         self.probing = bool(waiting) and self.budget.affords(self.costs.probe_t(b, waiting[0]))
         return waiting[0] if self.probing else choice
 
     def _maybe_probe(self, b: int) -> Shape | None:
-        """While plain: where calibration's own acceptance would speculate at ``b`` (so plain is
-        down to low live acceptance), draft one iteration in ``probe_interval * patience`` so the
-        estimate can recover."""
+        """While plain: one iteration in ``probe_interval * patience`` (when the probe budget affords
+        it) drafts with the shape of the highest expected tokens/s at ``b`` if the traffic accepts at
+        least what calibration's prompts did (each shape's tau the larger of the two), so the live
+        estimate can rise again. Every request drafts in it. Only shapes that would beat plain by
+        ``margin`` with every draft token accepted (``draft_len_per_beam + 1`` tokens per step) are
+        probed: where even that loses (large batches), plain stays without a probe."""
         self._plain_iterations += 1
         if self._plain_iterations < self.settings.probe_interval * self.settings.patience:
             return None
-        self._plain_iterations = 0
-        return best_choice(self.costs, b, dict(self.costs.tokens_per_step)).shape
+        plain = plain_rate(self.costs, b) * (1 + self.settings.margin)
+        could_pay = [s for s in self.costs.shapes if spec_rate(self.costs, b, s, s[1] + 1) > plain]
+        if not could_pay:  # not even a fully accepted tree beats plain at b: nothing to learn by drafting
+            self._plain_iterations = 0
+            return None
+        live = self.taus()
+        hopeful = {s: max(t, live[s]) for s, t in self.costs.tokens_per_step.items()}
+        shape = max(could_pay, key=lambda s: rate_of(self.costs, b, s, hopeful))
+        if not self.budget.affords(self.costs.t(b, shape)):
+            return None
+        self._plain_iterations, self.probing = 0, True
+        return shape
 
     # -- request level ---------------------------------------------------------------------------
 
@@ -177,6 +205,11 @@ class SpecController:
         r = self.settings.request_ema_alpha
         state.tau = (1 - r) * state.tau + r * tokens
         a = self.settings.ema_alpha  # a new shape starts from the estimate carried over to it
+        # iterations since the last drafted step (0: the same one; the first drafted step has no gap)
+        gap = 1 if self._last_drafted is None else self._iteration - self._last_drafted
+        if gap > 1:  # a probe after plain iterations weighs what the steps in between would have
+            a = max(a, min(self.settings.probe_weight, 1.0 - (1.0 - a) ** gap))
+        self._last_drafted = self._iteration
         self._tau = (shape, (1 - a) * taus[shape] + a * tokens)
 
     def observe_step(self, shape: Shape | None, num_generation: int, num_full_trees: int, num_plain: int,

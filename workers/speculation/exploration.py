@@ -5,9 +5,10 @@ iterations that run it, and the goodput model only runs the choice it rates best
 a good choice look slow would keep it unseen for good. So, like a request decoding plain for low
 acceptance drafts once in a while (:meth:`workers.speculation.controller.SpecController.drafts`),
 the replica now and then runs one iteration with a choice that has fewer than ``min_samples``
-samples at the current batch-size bucket: the cheapest such choice first, and only while the time
-spent in probes stays within ``fraction`` of all generation time (:class:`ProbeBudget`). Once every
-choice of a bucket has its samples, that bucket is never probed again.
+samples at the current batch-size bucket, or whose newest sample there is older than ``refresh``
+samples (a step time measured while the replica warmed up or shared its cores must not decide for
+good): the cheapest such choice first, and only while the time spent in probes stays within
+``fraction`` of all generation time (:class:`ProbeBudget`).
 """
 
 from __future__ import annotations
@@ -39,9 +40,16 @@ class ProbeBudget:
             self.spent_s += seconds
 
 
-def unexplored(costs: LiveStepCosts, b: int, exclude: Choice, min_samples: int) -> list[Choice]:
+def unexplored(costs: LiveStepCosts, b: int, exclude: Choice, min_samples: int,
+               refresh: int | None = None) -> list[Choice]:
     """Choices (None: plain, or a shape) other than ``exclude`` with fewer than ``min_samples`` live
-    samples at ``b``'s bucket, cheapest estimated step first (ties: plain, then the smaller tree)."""
+    samples at ``b``'s bucket, or (``refresh`` given) a newest sample there older than ``refresh``
+    samples; cheapest estimated step first (ties: plain, then the smaller tree)."""
+    def due(c: Choice) -> bool:
+        if costs.samples(b, c) < min_samples:
+            return True
+        age = costs.age(b, c)
+        return refresh is not None and age is not None and age > refresh
     choices: list[Choice] = [None, *costs.shapes]
-    waiting = [c for c in choices if c != exclude and costs.samples(b, c) < min_samples]
+    waiting = [c for c in choices if c != exclude and due(c)]
     return sorted(waiting, key=lambda c: (costs.probe_t(b, c), c is not None, c[0] * c[1] if c else 0))

@@ -41,6 +41,9 @@ class AutoSettings(_Options):
                                  "this at the current batch-size bucket is tried for one iteration now and then...")
     explore_budget: float = Field(0.05, ge=0, le=1, description="...while such probes take at most this fraction "
                                   "of the generation time (0: never probe)")
+    explore_refresh: int = Field(512, ge=1, description="a choice whose newest step-time sample at the current "
+                                 "bucket is older than this many samples is probed again (within explore_budget); "
+                                 "samples older than twice this leave the moving median once it is re-sampled")
     measure_at_start: bool = Field(True, description="when the calibration file was recorded on another compute "
                                    "path or code version (or records none: older files), time plain and every "
                                    "calibrated shape at start_batch_sizes for a few seconds before serving and start "

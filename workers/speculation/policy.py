@@ -119,7 +119,7 @@ def _controller(opts: SpeculationOptions, path, compute_path: str, field: str) -
     settings = ControllerSettings(margin=a.margin, patience=a.patience, ema_alpha=a.ema_alpha,
                                   request_ema_alpha=a.request_ema_alpha, probe_interval=a.probe_interval,
                                   step_window=a.step_window, explore_samples=a.explore_samples,
-                                  explore_budget=a.explore_budget)
+                                  explore_budget=a.explore_budget, explore_refresh=a.explore_refresh)
     why = untrusted_step_times(path, compute_path)
     if why is not None:
         log.warning("%s %s %s: its step times are not trusted here (compute path %s, code %s); %s, and live "

@@ -13,7 +13,11 @@ samples borrows the nearest sampled bucket's ratio of the same choice (a kernel 
 3x faster at every batch size); a choice never sampled keeps its seed (nothing says how wrong it
 is: :class:`workers.speculation.controller.SpecController` probes it). The seed's shape in ``b``
 interpolates within a bucket; the live figures set the level. A median, not a mean: one iteration
-slowed by another process on the core moves nothing.
+slowed by another process on the core moves nothing. Samples older than ``max_age`` samples of the
+replica leave a window when the window is next sampled: a choice timed only while the replica warmed
+up (cold caches, first matmul shapes) or while another process held a core is re-timed by an
+exploration probe (:mod:`workers.speculation.exploration`, every choice whose newest sample is older
+than the controller's ``explore_refresh``) and then judged by the new samples alone.
 
 Buckets are powers of two: 1, 2, 3-4, 5-8, 9-16, ...
 """
@@ -46,14 +50,23 @@ class LiveStepCosts:
 
     seed: the table the estimates start from (a calibration file, or the start-up measurement).
     window: samples per (bucket, choice) the moving median runs over.
+    max_age: a sample older than this many samples (of any bucket and choice) leaves its window the
+        next time that window is sampled; None: only ``window`` limits it.
+
+    Raises:
+        ValueError: ``window < 1`` or ``max_age < 1``.
     """
 
-    def __init__(self, seed: StepCosts, window: int = 16):
+    def __init__(self, seed: StepCosts, window: int = 16, max_age: int | None = None):
         if window < 1:
             raise ValueError(f"window must be >= 1, got {window}")
+        if max_age is not None and max_age < 1:
+            raise ValueError(f"max_age must be >= 1, got {max_age}")
         self.seed = seed
         self.window = window
-        self._samples: dict[tuple[int, Choice], deque[float]] = {}
+        self.max_age = max_age
+        self._now = 0  # samples observed so far (the clock ages are counted in)
+        self._samples: dict[tuple[int, Choice], deque[tuple[int, float]]] = {}  # (when, measured / seed)
         self._ratio: dict[tuple[int, Choice], float] = {}
 
     @property
@@ -103,6 +116,11 @@ class LiveStepCosts:
         """Live samples held for ``b``'s bucket and ``choice`` (at most ``window``)."""
         return len(self._samples.get((batch_bucket(b), choice), ()))
 
+    def age(self, b: int, choice: Choice) -> int | None:
+        """Samples observed since the newest one of ``b``'s bucket and ``choice`` (None: never sampled)."""
+        window = self._samples.get((batch_bucket(b), choice))
+        return self._now - window[-1][0] if window else None
+
     def observe(self, b: int, choice: Choice, seconds: float) -> None:
         """One clean generation-only iteration: ``b`` requests, all plain (``choice`` None) or all
         drafting with ``choice``, took ``seconds``.
@@ -115,9 +133,12 @@ class LiveStepCosts:
         if choice is not None and choice not in self.seed.spec_s:
             raise ValueError(f"shape {choice} is not in the step-cost table")
         key = (batch_bucket(b), choice)
+        self._now += 1
         window = self._samples.setdefault(key, deque(maxlen=self.window))
-        window.append(seconds / self.seed_t(b, choice))
-        self._ratio[key] = statistics.median(window)
+        window.append((self._now, seconds / self.seed_t(b, choice)))
+        while self.max_age is not None and self._now - window[0][0] > self.max_age:
+            window.popleft()  # never the sample just added
+        self._ratio[key] = statistics.median(r for _, r in window)
 
     def reseed(self, seed: StepCosts) -> None:
         """Start over from ``seed`` (a fresh measurement): live samples so far are dropped, since their

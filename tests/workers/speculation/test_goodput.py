@@ -116,6 +116,11 @@ def test_sustained_load_change_switches_once_after_patience():
     assert c.switches == 1
 
 
+def seconds(shape, b: int = 1) -> float:
+    """The table's step time: what an engine on the machine COSTS describes would measure."""
+    return COSTS.t_plain(b) if shape is None else COSTS.t_spec(b, shape)
+
+
 def test_replica_tau_follows_acceptance_and_speculation_stops_on_hard_traffic():
     c = SpecController(COSTS, ControllerSettings(margin=0.05, patience=4, ema_alpha=0.2, probe_interval=4))
     assert c.shape_for(1) == (4, 4)
@@ -123,6 +128,7 @@ def test_replica_tau_follows_acceptance_and_speculation_stops_on_hard_traffic():
         shape = c.shape_for(1)
         state = c.new_request_state()
         c.observe(state, shape, shape is not None, 0)
+        c.observe_step(shape, 1, int(shape is not None), int(shape is None), seconds(shape))  # as the engine: probe budget
     assert c.taus()[(4, 4)] < 1.2 and c.tau == 1.0  # plain now
     assert c.current is None and c.switches >= 1
     assert c.stats()["shape"] is None
@@ -135,12 +141,14 @@ def test_replica_held_plain_by_acceptance_probes_and_recovers():
     while c.current is not None:
         shape = c.shape_for(1)
         c.observe(state, shape, shape is not None, 0)
+        c.observe_step(shape, 1, int(shape is not None), int(shape is None), seconds(shape))
     probes = 0
-    for _ in range(200):  # now the traffic accepts every draft
+    for _ in range(400):  # now the traffic accepts every draft
         shape = c.shape_for(1)
         if shape is not None:
             probes += 1
             c.observe(c.new_request_state(), shape, True, shape[1])
+        c.observe_step(shape, 1, int(shape is not None), int(shape is None), seconds(shape))  # probes stay in budget
         if c.current is not None:
             break
     assert probes >= 1 and c.current is not None
@@ -172,3 +180,21 @@ def test_the_controller_reports_no_tau_before_its_first_iteration():
     assert controller.stats()["tau"] is None
     controller.shape_for(1)
     assert controller.stats()["tau"] == 2.0
+
+
+def test_a_replica_held_plain_where_no_tree_could_pay_does_not_probe_trees():
+    """At batch 32 here even a tree whose every draft token is accepted loses to plain: beyond the
+    exploration samples of each choice, plain runs every iteration."""
+    costs = StepCosts(plain_s=dict(COSTS.plain_s), tokens_per_step=dict(COSTS.tokens_per_step),
+                      spec_s={s: {**r, 32: 1.5} for s, r in COSTS.spec_s.items()})
+    c = SpecController(costs, ControllerSettings(margin=0.05, patience=2, probe_interval=2, explore_budget=0.5))
+    drafted = 0
+    for _ in range(400):
+        shape = c.shape_for(32)
+        drafted += shape is not None
+        if shape is not None:
+            c.observe(c.new_request_state(), shape, True, shape[1])  # what drafting there shows: every token taken
+        c.observe_step(shape, 32, 32 * (shape is not None), 32 * (shape is None),
+                       costs.t_plain(32) if shape is None else costs.t_spec(32, shape))
+    assert c.current is None
+    assert drafted <= c.settings.explore_samples * len(costs.shapes)
