@@ -6,7 +6,11 @@ Side by side in one run, same config, same prompts, greedy:
 - **served**: ``rdserve up --config CONFIG`` started as a subprocess, driven over HTTP by the
   streaming load generator (``cluster.evaluation.loadgen``), closed loop with ``c`` clients.
 
-For each mode (``rdserve.mode`` plain / spec) and concurrency ``c``: output tokens/s over the run
+For each mode (``rdserve.mode`` plain / spec / auto, or ``default``: none sent, the config's
+``speculation.default_mode``) and concurrency ``c``: the in-process engine gives each request the mode
+the serving replica would (a ``spec`` request drafts every step, an ``auto`` one leaves each iteration
+to the speculation policy; before this the engine side of ``spec`` ran under the policy, so it was
+compared with forced drafting served); output tokens/s over the run
 (completion tokens / wall time) and TTFT p50; engine and served runs alternate for ``--rounds``
 rounds (both live in memory at once, one idles while the other runs), so machine drift hits both. Then TTFT at low load: a short chat prompt with
 ``max_tokens`` 1, sent ``--ttft-runs`` times one after another (engine: from ``add_request`` to the
@@ -37,7 +41,8 @@ import httpx
 from bench_prompts import DATASETS, add_load_options, chat_prompts
 from bench_report import write_report
 
-from cluster.config import load_config
+from cluster.config import SpeculationConfig, load_config
+from cluster.replica.spec_mode import choose_mode
 from cluster.evaluation.loadgen import LoadSpec, run_load
 from cluster.evaluation.prompts import PromptRow
 from cluster.replica.build import build_engine
@@ -47,10 +52,26 @@ from workers.sampling_params import SamplingParams
 TTFT_PROMPT = [{"role": "user", "content": "Hi! What is your name?"}]
 
 
+def replica_mode(engine: Engine, spec_cfg: SpeculationConfig, requested: str | None, load: int) -> tuple[str, bool]:
+    """The engine ``(mode, force_draft)`` the serving replica gives a request whose ``rdserve.mode`` is
+    ``requested`` (None: the config's ``default_mode``) at ``load`` requests held, as
+    :meth:`cluster.replica.replica.EngineReplica._generate` decides it: a ``spec`` request drafts every
+    step; an ``auto`` one leaves each iteration to the speculation policy."""
+    selected = engine.spec_selection
+    if selected.spec_max_load is not None:
+        spec_cfg = spec_cfg.model_copy(update={"spec_max_load": selected.spec_max_load})
+    can_draft = engine.speculative_available and engine.forced_shape is not None
+    mode, _ = choose_mode(load, requested, spec_cfg, can_draft, selected.policy.live)
+    return mode, (requested or spec_cfg.default_mode) == "spec"
+
+
 def engine_closed_loop(engine: Engine, prompts: list[list[int]], num_requests: int, concurrency: int,
-                       mode: str, max_tokens: int) -> dict:
-    """Closed loop on the engine itself: ``concurrency`` requests in flight; returns tokens/s and TTFTs."""
+                       mode: str, max_tokens: int, spec_cfg: SpeculationConfig) -> dict:
+    """Closed loop on the engine itself: ``concurrency`` requests in flight, each given the engine mode
+    the serving replica would give a request with ``rdserve.mode`` ``mode`` (:func:`replica_mode`; ``"default"``:
+    none sent); returns tokens/s and TTFTs."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    requested = None if mode == "default" else mode
     start, first, tokens = {}, {}, 0
     issued = done = 0
     t0 = time.perf_counter()
@@ -59,7 +80,8 @@ def engine_closed_loop(engine: Engine, prompts: list[list[int]], num_requests: i
         nonlocal issued
         rid = f"r{issued}"
         start[rid] = time.perf_counter()
-        engine.add_request(rid, prompts[issued % len(prompts)], params, mode)
+        engine_mode, force_draft = replica_mode(engine, spec_cfg, requested, issued - done + 1)
+        engine.add_request(rid, prompts[issued % len(prompts)], params, engine_mode, force_draft)
         issued += 1
 
     while issued < min(concurrency, num_requests):
@@ -153,7 +175,7 @@ def stop_server(proc: subprocess.Popen, linger_s: float = 30.0) -> None:
 
 
 def served_run(base_url: str, model: str, rows: list[PromptRow], num_requests: int, concurrency: int,
-               mode: str, max_tokens: int) -> dict:
+               mode: str | None, max_tokens: int) -> dict:
     spec = LoadSpec(model=model, max_tokens=max_tokens, mode=mode, concurrency=concurrency,
                     max_requests=num_requests, duration_s=3600.0, grace_s=60.0)
     summary = run_load(base_url, rows, spec, progress=False).summary()
@@ -214,16 +236,20 @@ def main() -> None:
     try:
         engine = build_engine(cfg)
         ids = [engine.encode_chat(r.messages) for r in rows]
-        engine_closed_loop(engine, ids, 2, 2, "spec", 16)  # warm-up
-        served_run(base_url, cfg.model.name, rows[:2], 2, 2, "spec", 16)
+        for mode in modes or ["spec"]:  # warm-up, uncounted: every prompt once per mode and concurrency on
+            for c in levels:  # both sides (the first steps of each prompt length and batch size on a
+                # process are slower: thread-count probes, first-touch memory)
+                engine_closed_loop(engine, ids, len(ids), c, mode, 8, cfg.speculation)
+                served_run(base_url, cfg.model.name, rows, len(rows), c, None if mode == "default" else mode, 8)
         runs: dict = {"engine": {}, "served": {}}
         for rnd in range(args.rounds):  # engine and served alternate, so machine drift hits both alike
             for mode in modes:
                 for c in levels:
                     n = max(len(rows), 2 * c)
                     key = f"{mode} c={c}"
-                    e = engine_closed_loop(engine, ids, n, c, mode, args.max_tokens)
-                    s = served_run(base_url, cfg.model.name, rows, n, c, mode, args.max_tokens)
+                    e = engine_closed_loop(engine, ids, n, c, mode, args.max_tokens, cfg.speculation)
+                    s = served_run(base_url, cfg.model.name, rows, n, c, None if mode == "default" else mode,
+                                   args.max_tokens)
                     runs["engine"].setdefault(key, []).append(e)
                     runs["served"].setdefault(key, []).append(s)
                     print(f"round {rnd + 1} {key}: engine {e['output_throughput']:.1f} tok/s, served "
