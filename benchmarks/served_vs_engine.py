@@ -1,4 +1,4 @@
-"""Served over HTTP vs the same engine in process: output tokens/s and time to first token.
+r"""Served over HTTP vs the same engine in process: output tokens/s and time to first token.
 
 Side by side in one run, same config, same prompts, greedy:
 - **engine**: an ``Engine`` built and stepped on this process's main thread (what ``rdserve
@@ -9,8 +9,7 @@ Side by side in one run, same config, same prompts, greedy:
 For each mode (``rdserve.mode`` plain / spec / auto, or ``default``: none sent, the config's
 ``speculation.default_mode``) and concurrency ``c``: the in-process engine gives each request the mode
 the serving replica would (a ``spec`` request drafts every step, an ``auto`` one leaves each iteration
-to the speculation policy; before this the engine side of ``spec`` ran under the policy, so it was
-compared with forced drafting served); output tokens/s over the run
+to the speculation policy; ``serve.pools`` routing is not modelled); output tokens/s over the run
 (completion tokens / wall time) and TTFT p50; engine and served runs alternate for ``--rounds``
 rounds (both live in memory at once, one idles while the other runs), so machine drift hits both. Then TTFT at low load: a short chat prompt with
 ``max_tokens`` 1, sent ``--ttft-runs`` times one after another (engine: from ``add_request`` to the
@@ -224,12 +223,22 @@ def main() -> None:
     ap.add_argument("--ttft-only", action="store_true", help="measure only the low-load TTFT (no throughput runs)")
     ap.add_argument("--out", default="benchmarks/results/served_vs_engine", help="output path without suffix")
     args = ap.parse_args()
+    for name in ("num_prompts", "ttft_runs", "rounds"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    try:
+        levels = [int(c) for c in args.concurrency.split(",")]
+    except ValueError:
+        ap.error(f"--concurrency: comma-separated integers expected, got {args.concurrency!r}")
+    if any(c < 1 for c in levels):
+        ap.error(f"--concurrency levels must be >= 1, got {args.concurrency!r}")
+    modes = [] if args.ttft_only else [m.strip() for m in args.modes.split(",")]
+    if bad := [m for m in modes if m not in ("plain", "spec", "auto", "default")]:
+        ap.error(f"--modes: {bad} not among plain, spec, auto, default (none sent)")
 
     cfg = load_config(args.config)
     base_url = f"http://127.0.0.1:{cfg.serve.port}"
     rows = chat_prompts(args.prompts, args.num_prompts)
-    levels = [int(c) for c in args.concurrency.split(",")]
-    modes = [] if args.ttft_only else args.modes.split(",")
     results: dict = {"engine": {}, "served": {}}
 
     proc = start_server(args.config, base_url)  # first, so the engine below is built after Ray's start-up

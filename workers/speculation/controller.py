@@ -13,8 +13,8 @@ The engine asks every iteration, for the number of generation requests ``b``:
   anyway, so its estimate can recover.
 - :meth:`SpecController.observe`: after the iteration, the tokens each drafting request accepted.
   The replica's ``tau`` (for the shape in use) and each request's own are exponential moving
-  averages (weight ``ema_alpha`` per step), seeded from calibration. A replica held plain drafts one
-  iteration in ``probe_interval * patience`` with the shape that would pay most if the traffic
+  averages (weight ``ema_alpha`` per step), seeded from calibration. A replica held plain drafts (two
+  iterations) once in ``probe_interval * patience`` with the shape that would pay most if the traffic
   accepted at least what calibration did, so its estimate follows traffic that became easier, or that
   was always easier than the calibration prompts (calibration's acceptance alone never rules a tree
   out). A drafted step after a gap of ``g`` iterations weighs what ``g`` steps would have (at most
@@ -22,9 +22,14 @@ The engine asks every iteration, for the number of generation requests ``b``:
 - :meth:`SpecController.observe_step`: after a generation-only iteration, its seconds. Step times
   are the seed table corrected by these live samples (:class:`workers.speculation.step_times.LiveStepCosts`);
   a choice with too few samples at the current batch-size bucket, or samples older than
-  ``explore_refresh``, runs one iteration now and then, within a budget of the generation time
+  ``explore_refresh``, runs now and then, within a budget of the generation time
   (:mod:`workers.speculation.exploration`), so neither a seed nor a slow first minute that makes a
-  good choice look slow can hide it for good.
+  good choice look slow can hide it for good. A sample is the cost of *keeping* a choice: only an
+  iteration that runs the same choice as the iteration just before it counts. The first iteration
+  after a switch (or after a prompt chunk) pays for the switch: on the AMX Xeon a 2x2 tree timed
+  right after plain steps took 15.4 ms against ~9 ms in a run of them, and trees probed one iteration
+  at a time were all timed that way, so the model judged them 1.5-2x too slow (BENCHMARKS.md 14).
+  So every probe lasts two iterations, and only the second is a sample.
 
 Per-request state is a :class:`RequestSpecState` the engine keeps on the request (``Sequence.spec_state``).
 """
@@ -109,6 +114,8 @@ class SpecController:
         self._plain_iterations = 0
         self._iteration = 0  # shape_for calls: the clock of the gap between drafted steps
         self._last_drafted: int | None = None  # the iteration of the last drafted step (None: none yet)
+        self._hold: tuple[Shape | None] | None = None  # a probe's choice, run once more in the next iteration
+        self._last_step: tuple[int, object] | None = None  # (iteration, choice) of the last observe_step
 
     # -- replica level ---------------------------------------------------------------------------
 
@@ -132,7 +139,11 @@ class SpecController:
         self.probing = False
         self._iteration += 1
         if b < 1 or not self.costs.shapes:
+            self._hold = None
             return None
+        if self._hold is not None:  # a probe's second iteration: the one timed (see observe_step)
+            (choice,), self._hold, self.probing = self._hold, None, True
+            return choice
         taus = self.taus()
         best = best_choice(self.costs, b, taus)
         if not self.started:
@@ -152,11 +163,14 @@ class SpecController:
         (or only old ones) when the probe budget affords its estimated step."""
         waiting = unexplored(self.costs, b, choice, self.settings.explore_samples, self.settings.explore_refresh)
         self.probing = bool(waiting) and self.budget.affords(self.costs.probe_t(b, waiting[0]))
-        return waiting[0] if self.probing else choice
+        if not self.probing:
+            return choice
+        self._hold = (waiting[0],)
+        return waiting[0]
 
     def _maybe_probe(self, b: int) -> Shape | None:
-        """While plain: one iteration in ``probe_interval * patience`` (when the probe budget affords
-        it) drafts with the shape of the highest expected tokens/s at ``b`` if the traffic accepts at
+        """While plain: once in ``probe_interval * patience`` iterations (when the probe budget affords
+        it) drafts, for two iterations (see :meth:`observe_step`), with the shape of the highest expected tokens/s at ``b`` if the traffic accepts at
         least what calibration's prompts did (each shape's tau the larger of the two), so the live
         estimate can rise again. Every request drafts in it. Only shapes that would beat plain by
         ``margin`` with every draft token accepted (``draft_len_per_beam + 1`` tokens per step) are
@@ -174,7 +188,7 @@ class SpecController:
         shape = max(could_pay, key=lambda s: rate_of(self.costs, b, s, hopeful))
         if not self.budget.affords(self.costs.t(b, shape)):
             return None
-        self._plain_iterations, self.probing = 0, True
+        self._plain_iterations, self.probing, self._hold = 0, True, (shape,)
         return shape
 
     # -- request level ---------------------------------------------------------------------------
@@ -216,13 +230,19 @@ class SpecController:
                      seconds: float) -> None:
         """Record one generation-only iteration (no prompt chunk): ``num_generation`` requests, of which
         ``num_full_trees`` drafted a whole tree of ``shape`` and ``num_plain`` none, in ``seconds``.
-        Only a clean iteration (all plain, or all full trees) is a step-time sample; every one counts
-        in the probe budget."""
+        Only a clean iteration (all plain, or all full trees) that runs the same choice as the
+        iteration just before it is a step-time sample (the first after a switch or a prompt chunk
+        pays for the switch); every one counts in the probe budget."""
         if num_generation < 1 or seconds <= 0:
             return
         if self.step_time is not None:
             seconds = self.step_time(num_generation, shape if num_plain < num_generation else None, seconds)
         self.budget.record(seconds, self.probing)
+        choice = None if num_plain == num_generation else shape if num_full_trees == num_generation else "mixed"
+        steady = self._last_step == (self._iteration - 1, choice)
+        self._last_step = (self._iteration, choice)
+        if not steady:
+            return
         if num_plain == num_generation:
             self.costs.observe(num_generation, None, seconds)
         elif shape is not None and num_full_trees == num_generation and shape in self.costs.seed.spec_s:

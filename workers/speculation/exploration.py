@@ -4,7 +4,8 @@
 iterations that run it, and the goodput model only runs the choice it rates best. A seed that makes
 a good choice look slow would keep it unseen for good. So, like a request decoding plain for low
 acceptance drafts once in a while (:meth:`workers.speculation.controller.SpecController.drafts`),
-the replica now and then runs one iteration with a choice that has fewer than ``min_samples``
+the replica now and then runs a choice (for two iterations: the controller times only the second,
+the first pays for the switch) that has fewer than ``min_samples``
 samples at the current batch-size bucket, or whose newest sample there is older than ``refresh``
 samples (a step time measured while the replica warmed up or shared its cores must not decide for
 good): the cheapest such choice first, and only while the time spent in probes stays within

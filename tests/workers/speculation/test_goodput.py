@@ -197,4 +197,4 @@ def test_a_replica_held_plain_where_no_tree_could_pay_does_not_probe_trees():
         c.observe_step(shape, 32, 32 * (shape is not None), 32 * (shape is None),
                        costs.t_plain(32) if shape is None else costs.t_spec(32, shape))
     assert c.current is None
-    assert drafted <= c.settings.explore_samples * len(costs.shapes)
+    assert drafted <= 2 * c.settings.explore_samples * len(costs.shapes)  # a probe runs 2 iterations, 1 timed
