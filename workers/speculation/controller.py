@@ -170,8 +170,8 @@ class SpecController:
 
     def _maybe_probe(self, b: int) -> Shape | None:
         """While plain: once in ``probe_interval * patience`` iterations (when the probe budget affords
-        it) drafts, for two iterations (see :meth:`observe_step`), with the shape of the highest expected tokens/s at ``b`` if the traffic accepts at
-        least what calibration's prompts did (each shape's tau the larger of the two), so the live
+        it) drafts, for two iterations (see :meth:`observe_step`), with the shape of the highest
+        expected tokens/s at ``b`` if the traffic accepts at least what calibration's prompts did (each shape's tau the larger of the two), so the live
         estimate can rise again. Every request drafts in it. Only shapes that would beat plain by
         ``margin`` with every draft token accepted (``draft_len_per_beam + 1`` tokens per step) are
         probed: where even that loses (large batches), plain stays without a probe."""
@@ -241,12 +241,8 @@ class SpecController:
         choice = None if num_plain == num_generation else shape if num_full_trees == num_generation else "mixed"
         steady = self._last_step == (self._iteration - 1, choice)
         self._last_step = (self._iteration, choice)
-        if not steady:
-            return
-        if num_plain == num_generation:
-            self.costs.observe(num_generation, None, seconds)
-        elif shape is not None and num_full_trees == num_generation and shape in self.costs.seed.spec_s:
-            self.costs.observe(num_generation, shape, seconds)
+        if steady and (choice is None or choice in self.costs.seed.spec_s):
+            self.costs.observe(num_generation, choice, seconds)
 
     def stats(self) -> dict:
         """For routing stats and responses: current shape, live tau (None before the first iteration:

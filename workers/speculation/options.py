@@ -38,7 +38,8 @@ class AutoSettings(_Options):
     step_window: int = Field(16, ge=1, description="live step-time samples per (batch-size bucket, plain or "
                              "shape) whose median corrects the calibration's step time")
     explore_samples: int = Field(2, ge=0, description="plain or a shape with fewer live step-time samples than "
-                                 "this at the current batch-size bucket is tried for one iteration now and then...")
+                                 "this at the current batch-size bucket is tried now and then, for two iterations (the second "
+                                 "timed)...")
     explore_budget: float = Field(0.05, ge=0, le=1, description="...while such probes take at most this fraction "
                                   "of the generation time (0: never probe)")
     explore_refresh: int = Field(512, ge=1, description="a choice whose newest step-time sample at the current "
