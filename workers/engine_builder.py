@@ -64,7 +64,7 @@ def load_engine(model_path: str, drafter_path: str | None = None, options: Engin
     model_path: a Hugging Face model directory (``config.json``, safetensors or a GGUF file).
     drafter_path: a ReDrafter draft-head directory, or None (plain decoding only).
     overrides: fields of :class:`EngineOptions` or :class:`SpeculationOptions` (see :func:`split_options`).
-    executor_factory(model, num_slots): the executor (default :class:`LocalExecutor`; the
+    executor_factory(model, num_slots, kv_dtype): the executor (default :class:`LocalExecutor`; the
         tensor-parallel one for ``tp_size > 1``, :func:`workers.tp.executor.tp_executor_factory`).
     spec_policy: a speculation policy to use instead of the one ``speculation`` selects for this
         compute path (a test's or benchmark's own controller).
@@ -111,10 +111,11 @@ def load_engine(model_path: str, drafter_path: str | None = None, options: Engin
     selected = SelectedPolicy(spec_policy, "given") if spec_policy is not None \
         else select_policy(spec, name, opts.max_batch_size)
     log.info("speculation policy: %s (compute path %s)", selected.source, name)
-    kv_size = _size_cache(model.config, dtype, opts, max_seq_len, selected.policy, lookup, device)
+    kv_dtype = dtype if opts.kv_cache_dtype == "auto" else DTYPES[opts.kv_cache_dtype]
+    kv_size = _size_cache(model.config, kv_dtype, opts, max_seq_len, selected.policy, lookup, device)
     log.info("%s", kv_size)
     blocks = BlockManager(kv_size.num_blocks, opts.tokens_per_block, opts.enable_prefix_caching)
-    executor = (executor_factory or LocalExecutor)(model, blocks.num_slots - 1)
+    executor = (executor_factory or LocalExecutor)(model, blocks.num_slots - 1, kv_dtype)
     engine = Engine(model, tokenizer, drafter, executor, blocks, kv_size, selected, lookup, opts, spec, compute,
                     max_seq_len, threads)
     if selected.measure_at_start and drafter is not None:

@@ -54,6 +54,11 @@ class EngineOptions(BaseModel):
                                         "prefix prefills only the rest (workers.block_manager); a request's "
                                         "cache_salt limits sharing to requests with the same salt")
     num_kv_blocks: int | None = Field(None, ge=1, description="KV cache blocks; null = sized by kv_cache_fraction")
+    kv_cache_dtype: Literal["auto", "float32", "float16"] = Field(
+        "auto", description="what the KV cache stores (vLLM's and TensorRT-LLM's kv_cache_dtype): 'auto' the model's "
+        "dtype; 'float16' under a float32 model halves the bytes a decoding step reads from the cache (decode "
+        "attention reads every request's keys and values once per layer) and doubles the tokens it holds; keys "
+        "and values round to the nearest float16 when written, plain and speculative decoding alike")
     kv_cache_fraction: float = Field(0.2, gt=0, le=1, description="share of the memory free after loading the "
                                      "weights that the KV cache takes (capped at what max_batch_size full-length "
                                      "sequences need)")

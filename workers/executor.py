@@ -22,13 +22,13 @@ class LocalExecutor:
     (:func:`workers.kernels.packed_linear.prepare_cpu_inference`).
     """
 
-    def __init__(self, model: LlamaForCausalLM, num_slots: int):
+    def __init__(self, model: LlamaForCausalLM, num_slots: int, kv_dtype: torch.dtype | None = None):
         self.model = model
         self.config = model.config
         self.device = model.lm_head.weight.device
         self.dtype = model.lm_head.weight.dtype
         prepare_cpu_inference(model)
-        self.cache = model.new_cache(num_slots)
+        self.cache = model.new_cache(num_slots, kv_dtype)
 
     @property
     def trash_slot(self) -> int:

@@ -155,12 +155,14 @@ def engine_top2_gap(cfg) -> GapFn:
     from workers.forward_batch import contiguous_batch
 
     engine = build_engine(cfg)
+    # the cache the served engine keeps (engine.kv_cache_dtype), so the gaps are the served model's
+    kv_dtype = None if cfg.engine.kv_cache_dtype == "auto" else getattr(torch, cfg.engine.kv_cache_dtype)
 
     @torch.inference_mode()
     def gap(row: PromptRow, prefix: list[int]) -> float:
         ids = (engine.encode_chat(row.messages) if row.messages is not None else engine.encode_prompt(row.prompt))
         ids = ids + list(prefix)
-        cache = engine.model.new_cache(len(ids))
+        cache = engine.model.new_cache(len(ids), kv_dtype)
         hidden = engine.model(cache, contiguous_batch(torch.tensor(ids), 0))[-1]
         top = torch.log_softmax(engine.model.logits(hidden[None]).float(), -1)[0].topk(2).values
         return float(top[0] - top[1])

@@ -43,6 +43,21 @@ def test_read_gathers_block_table_slots_and_views_runs():
     assert torch.equal(k[0], cache.k[0][5:9].transpose(0, 1))
 
 
+def test_a_float16_cache_stores_rounded_values_and_reads_the_compute_dtype():
+    """engine.kv_cache_dtype float16 under a float32 model: writes round to float16 (to nearest,
+    ties to even), reads (the SDPA path) return float32 views of the stored values."""
+    cache = KVCache(num_layers=1, num_slots=8, n_kv_heads=2, head_dim=4, dtype=torch.float16,
+                    compute_dtype=torch.float32)
+    k, v = torch.randn(3, 2, 4) * 100, torch.randn(3, 2, 4)
+    k[0, 0, 0] = 2049.0  # halfway between float16 2048 and 2050
+    cache.write(0, torch.tensor([1, 5, 2]), k, v)
+    assert cache.k[0].dtype == torch.float16 and cache.k[0][1, 0, 0].item() == 2048.0
+    assert torch.equal(cache.k[0][[1, 5, 2]], k.half()) and torch.equal(cache.v[0][[1, 5, 2]], v.half())
+    keys, values = cache.read(0, AttentionGroup(0, 1, 1, torch.tensor([[5, 2]]), torch.ones(1, 1, 1, 2, dtype=torch.bool)))
+    assert keys.dtype == values.dtype == torch.float32
+    assert torch.equal(keys[0], k[1:].half().float().transpose(0, 1))
+
+
 @torch.inference_mode()
 def test_committed_slots_equal_plain_decoding(tiny_model_dirs, trained_drafter_dirs):
     """A speculative and a plain request with the same prompt decode side by side in one engine;

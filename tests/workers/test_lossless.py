@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 import pytest
+import torch
 
 from tiny_gguf import weights_variant
 from workers.engine import Engine
@@ -336,3 +337,30 @@ def test_amx_and_vnni_engines_decode_the_same_tokens(tiny_model_dirs, trained_dr
             assert tokens == runs["0", variant, case, mode], (variant, case, mode)
             assert tokens == runs["1", variant, case, "plain"], (variant, case, "spec != plain")
     assert multi >= 4, "the drafter was rarely accepted; the trees were hardly used"
+
+
+@pytest.mark.parametrize("activations", ["float32", "int8"])
+def test_greedy_spec_matches_plain_on_a_float16_kv_cache(tiny_model_dirs, trained_drafter_dirs, activations):
+    """``kv_cache_dtype: float16`` (keys and values rounded when written, widened exactly when read):
+    every row still depends only on its own query and visible keys, so spec output equals plain
+    output, with and without a prompt-lookup beam, on GGUF blocks with float32 and int8 activations;
+    the cache really stores float16 and holds twice the tokens of a float32 one in the same bytes."""
+    multi = 0
+    for case in range(8):
+        rng = random.Random(3000 + case)
+        variant = weights_variant(VARIANTS[case % 2], "gguf")
+        shape = dict(num_beams=rng.randint(1, 4), draft_len_per_beam=rng.randint(1, 4),
+                     prompt_lookup_num_tokens=rng.choice([0, 4]), prompt_lookup_min=1, max_seq_len=256)
+        engine = load_engine(str(tiny_model_dirs[variant]), str(trained_drafter_dirs[variant]),
+                             decode_activations=activations, kv_cache_dtype="float16", **shape)
+        assert {t.dtype for t in engine.executor.cache.k + engine.executor.cache.v} == {torch.float16}
+        if case < 2:
+            wide = load_engine(str(tiny_model_dirs[variant]), None, max_seq_len=256, kv_cache_dtype="float32")
+            assert engine.kv_size.bytes_per_token * 2 == wide.kv_size.bytes_per_token
+        prompt = random_prompt(rng, len(engine.tokenizer))
+        params = SamplingParams(max_tokens=rng.randint(8, 48))
+        plain = run(engine, prompt, params, "plain")
+        spec = run(engine, prompt, params, "spec")
+        assert_same(spec, plain, f"case {case}: {variant} {shape} {activations}")
+        multi += sum(a >= 2 for a in spec.step_accepted)
+    assert multi >= 5, "the drafter was rarely accepted; the comparison is weak"

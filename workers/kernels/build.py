@@ -283,9 +283,9 @@ def _load_once(isa: str) -> tuple[ctypes.CDLL | None, KernelUnavailable | None]:
     P, L, F = ctypes.c_void_p, ctypes.c_long, ctypes.c_float
     lib.rd_rms_norm.argtypes = [P] * 4 + [L] * 2 + [F]
     lib.rd_rms_norm.restype = None
-    lib.rd_decode_attention.argtypes = [P, L, P, P, P, L, P, P] + [L] * 6 + [F]
+    lib.rd_decode_attention.argtypes = [P, L, P, P, P, L, P, P] + [L] * 6 + [F, L]
     lib.rd_decode_attention.restype = ctypes.c_int
-    lib.rd_rope_write_kv.argtypes = [P] * 7 + [L] * 4
+    lib.rd_rope_write_kv.argtypes = [P] * 7 + [L] * 5
     lib.rd_rope_write_kv.restype = None
     lib.rd_silu_mul.argtypes = [P, P, L, L]
     lib.rd_silu_mul.restype = None

@@ -29,6 +29,11 @@ between chunk sizes). Measured on the default model (EPYC Zen 4, ``gguf-avx512-i
 1000-token prompts, alternated runs): prefill time within the run-to-run spread either way."""
 
 
+KV_DTYPES = (torch.float32, torch.float16)
+"""KV-cache element types the kernels read and write (float16: half the bytes a decoding step
+reads from the cache; the kernels widen each value exactly before float32 arithmetic)."""
+
+
 def supports(head_dim: int, n_heads: int, n_kv: int) -> bool:
     """Whether the kernel handles this head shape (``head_dim`` a multiple of 16, GQA groups)."""
     return head_dim % 16 == 0 and n_kv > 0 and n_heads % n_kv == 0
@@ -84,8 +89,8 @@ def attend(plan: AttentionPlan, q: torch.Tensor, k_cache: torch.Tensor, v_cache:
     Args:
         q: ``[batch * seq_len, n_heads, head_dim] float32`` (rows request-major; heads and
             head_dim contiguous, rows may be strided).
-        k_cache, v_cache: ``[cache_rows, n_kv, head_dim] float32`` contiguous (one layer of the
-            :class:`~workers.kv_cache.KVCache`).
+        k_cache, v_cache: ``[cache_rows, n_kv, head_dim]`` float32 or float16 (widened exactly),
+            contiguous (one layer of the :class:`~workers.kv_cache.KVCache`).
 
     Returns:
         ``[batch * seq_len, n_heads * head_dim] float32``, softmax scale ``1 / sqrt(head_dim)``. A
@@ -96,14 +101,17 @@ def attend(plan: AttentionPlan, q: torch.Tensor, k_cache: torch.Tensor, v_cache:
     """
     rows, H, D = q.shape
     HKV = k_cache.shape[1]
-    if rows != plan.batch * plan.seq_len or q.stride(2) != 1 or q.stride(1) != D or not supports(D, H, HKV):
+    if (rows != plan.batch * plan.seq_len or q.stride(2) != 1 or q.stride(1) != D or not supports(D, H, HKV)
+            or q.dtype != torch.float32 or k_cache.dtype not in KV_DTYPES or v_cache.dtype != k_cache.dtype
+            or not (k_cache.is_contiguous() and v_cache.is_contiguous())):
         raise ValueError(f"queries {tuple(q.shape)} do not fit the plan ({plan.batch}x{plan.seq_len} rows) "
-                         f"or the kernel (head_dim a multiple of 16, heads a multiple of {HKV})")
+                         f"or the kernel (head_dim a multiple of 16, heads a multiple of {HKV}, float32 queries, "
+                         f"a contiguous float32 or float16 cache, got {k_cache.dtype})")
     out = torch.empty(rows, H * D)
     status = build.kernel(plan.isa, "rd_decode_attention")(
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
         0 if plan.slots is None else plan.slots.data_ptr(), plan.run_start, plan.mask.data_ptr(), out.data_ptr(),
-        plan.batch, plan.seq_len, plan.kv_len, H, HKV, D, 1.0 / math.sqrt(D))
+        plan.batch, plan.seq_len, plan.kv_len, H, HKV, D, 1.0 / math.sqrt(D), int(k_cache.dtype == torch.float16))
     if status:
         raise MemoryError("decode attention could not allocate its scratch memory")
     return out
@@ -119,7 +127,8 @@ def rope_write_kv(isa: str, qkv: torch.Tensor, cos: torch.Tensor, sin_signed: to
         cos, sin_signed: ``[N, 1, head_dim]`` tables of :class:`~workers.models.rope.RotaryEmbedding`.
         slot_mapping: ``[N] long`` cache slot of each token (checked against the cache's rows by
             the caller, once per forward).
-        k_cache, v_cache: ``[cache_rows, n_kv, head_dim] float32`` contiguous, written in place.
+        k_cache, v_cache: ``[cache_rows, n_kv, head_dim]`` float32, or float16 (each value rounded to
+            the nearest, ties to even, as ``.to(torch.float16)`` rounds), contiguous, written in place.
 
     Returns:
         rotated queries ``[N, n_heads, head_dim]``, bit-identical to
@@ -134,10 +143,12 @@ def rope_write_kv(isa: str, qkv: torch.Tensor, cos: torch.Tensor, sin_signed: to
             or cos.shape != (N, 1, D) or sin_signed.shape != (N, 1, D) or not cos.is_contiguous()
             or not sin_signed.is_contiguous() or slot_mapping.shape != (N,) or slot_mapping.dtype != torch.int64
             or not slot_mapping.is_contiguous() or not (k_cache.is_contiguous() and v_cache.is_contiguous())
-            or qkv.dtype != torch.float32 or cos.dtype != torch.float32 or k_cache.dtype != torch.float32):
+            or qkv.dtype != torch.float32 or cos.dtype != torch.float32 or k_cache.dtype not in KV_DTYPES
+            or v_cache.dtype != k_cache.dtype or D > 1024):
         raise ValueError(f"rope_write_kv: qkv {tuple(qkv.shape)}, tables {tuple(cos.shape)}, slots "
                          f"{tuple(slot_mapping.shape)}, cache {tuple(k_cache.shape)} do not fit {n_heads}+2x{n_kv} heads")
     q = torch.empty(N, n_heads, D)
     build.kernel(isa, "rd_rope_write_kv")(qkv.data_ptr(), cos.data_ptr(), sin_signed.data_ptr(), slot_mapping.data_ptr(),
-                                          k_cache.data_ptr(), v_cache.data_ptr(), q.data_ptr(), N, n_heads, n_kv, D)
+                                          k_cache.data_ptr(), v_cache.data_ptr(), q.data_ptr(), N, n_heads, n_kv, D,
+                                          int(k_cache.dtype == torch.float16))
     return q

@@ -36,7 +36,7 @@ class _Lin(ctypes.Structure):
 
 class _Layer(ctypes.Structure):
     _fields_ = [("qkv", _Lin), ("o", _Lin), ("gate_up", _Lin), ("down", _Lin), ("post_norm", _P),
-                ("next_norm", _P), ("k_cache", _P), ("v_cache", _P)]
+                ("next_norm", _P), ("k_cache", _P), ("v_cache", _P), ("kv_half", _L)]
 
 
 class _Group(ctypes.Structure):
@@ -90,7 +90,8 @@ def _layer_key(model, cache) -> tuple | None:
                  0 if bias is None else bias.data_ptr(), d.get("prefill_weight") is not None))
         nxt = layers[i + 1]._modules["input_layernorm"] if i + 1 < len(layers) else None
         add((mods["post_attention_layernorm"]._parameters["weight"].data_ptr(),
-             final if nxt is None else nxt._parameters["weight"].data_ptr(), cache.k[i].data_ptr(), cache.v[i].data_ptr()))
+             final if nxt is None else nxt._parameters["weight"].data_ptr(), cache.k[i].data_ptr(), cache.v[i].data_ptr(),
+             int(cache.k[i].dtype == torch.float16)))
     return tuple(key)
 
 
@@ -127,7 +128,7 @@ def _build_table(key: tuple, n_layers: int) -> tuple[ctypes.Array | None, bool]:
     """(the layer table of :func:`_layer_key`'s ``key``, whether some projection has a bfloat16
     prefill weight)."""
     out = (_Layer * n_layers)()
-    per_lin, per_layer = 5, 4 * 5 + 4
+    per_lin, per_layer = 5, 4 * 5 + 5
     prefill_weights = False
     for i in range(n_layers):
         k = key[i * per_layer : (i + 1) * per_layer]

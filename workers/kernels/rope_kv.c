@@ -9,7 +9,11 @@
  * RotaryEmbedding's table (first half negated). Each product and the sum round once, as torch's
  * ``x * cos + rotate_half(x) * sin`` does (no fused multiply-add: the C11 mode this is compiled in
  * does not contract), so the results equal workers.models.rope.apply_rotary's bit for bit.
+ *
+ * A float16 cache (kv_half) gets each key and value rounded to the nearest IEEE binary16 (ties to
+ * even: F16C's vcvtps2ph, as torch's ``.to(torch.float16)`` rounds).
  */
+#include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -19,17 +23,35 @@ static void rotate(const float *x, const float *c, const float *s, float *y, lon
     for (long d = half; d < D; d++) y[d] = x[d] * c[d] + x[d - half] * s[d];
 }
 
-/* qkv: [N, (H + 2 HKV) D]; cos, sin_signed: [N, D]; slots: [N] int64; k_cache, v_cache: [slots, HKV, D];
- * q_out: [N, H, D]. D must be even. A slot written twice (padding rows share the trash slot) keeps
- * the later row's values. */
+/* n float32 values to binary16, rounded to nearest even. */
+static void to_half(const float *x, uint16_t *y, long n) {
+    long i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128((__m128i *)(y + i), _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
+    for (; i < n; i++) y[i] = _cvtss_sh(x[i], _MM_FROUND_TO_NEAREST_INT);
+}
+
+/* qkv: [N, (H + 2 HKV) D]; cos, sin_signed: [N, D]; slots: [N] int64; k_cache, v_cache: [slots, HKV, D]
+ * float32, or binary16 when kv_half is 1; q_out: [N, H, D]. D must be even and at most 1024. A slot
+ * written twice (padding rows share the trash slot) keeps the later row's values. */
 void rd_rope_write_kv(const float *qkv, const float *cos, const float *sin_signed, const int64_t *slots,
-                      float *k_cache, float *v_cache, float *q_out, long N, long H, long HKV, long D) {
+                      void *k_cache, void *v_cache, float *q_out, long N, long H, long HKV, long D, long kv_half) {
     long width = (H + 2 * HKV) * D;
     for (long n = 0; n < N; n++) {
         const float *row = qkv + n * width, *c = cos + n * D, *s = sin_signed + n * D;
         for (long h = 0; h < H; h++) rotate(row + h * D, c, s, q_out + (n * H + h) * D, D);
-        float *k = k_cache + slots[n] * HKV * D;
-        for (long g = 0; g < HKV; g++) rotate(row + (H + g) * D, c, s, k + g * D, D);
-        memcpy(v_cache + slots[n] * HKV * D, row + (H + HKV) * D, sizeof(float) * HKV * D);
+        if (!kv_half) {
+            float *k = (float *)k_cache + slots[n] * HKV * D;
+            for (long g = 0; g < HKV; g++) rotate(row + (H + g) * D, c, s, k + g * D, D);
+            memcpy((float *)v_cache + slots[n] * HKV * D, row + (H + HKV) * D, sizeof(float) * HKV * D);
+            continue;
+        }
+        uint16_t *k = (uint16_t *)k_cache + slots[n] * HKV * D;
+        float rotated[1024];
+        for (long g = 0; g < HKV; g++) {
+            rotate(row + (H + g) * D, c, s, rotated, D);
+            to_half(rotated, k + g * D, D);
+        }
+        to_half(row + (H + HKV) * D, (uint16_t *)v_cache + slots[n] * HKV * D, HKV * D);
     }
 }

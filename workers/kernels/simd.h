@@ -108,6 +108,30 @@ static inline v16 v16_axpy(float p, const float *v, v16 acc) {
     return acc;
 }
 
+/* acc + a[0..15] * b[0..15] with b in IEEE binary16 (a KV cache in float16): the halves widen
+ * exactly, so the products and sums round as v16_fma's do on the widened values, on both sets. */
+static inline v16 v16_fma_h(const float *a, const uint16_t *b, v16 c) {
+#if VL == 16
+    c.v = _mm512_fmadd_ps(_mm512_loadu_ps(a), _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)b)), c.v);
+#else
+    c.lo = _mm256_fmadd_ps(_mm256_loadu_ps(a), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b)), c.lo);
+    c.hi = _mm256_fmadd_ps(_mm256_loadu_ps(a + 8), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b + 8))), c.hi);
+#endif
+    return c;
+}
+
+/* acc + p * v[0..15] with v in binary16 (v16_axpy on the widened values). */
+static inline v16 v16_axpy_h(float p, const uint16_t *v, v16 acc) {
+#if VL == 16
+    acc.v = _mm512_fmadd_ps(_mm512_set1_ps(p), _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)v)), acc.v);
+#else
+    __m256 pv = _mm256_set1_ps(p);
+    acc.lo = _mm256_fmadd_ps(pv, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)v)), acc.lo);
+    acc.hi = _mm256_fmadd_ps(pv, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(v + 8))), acc.hi);
+#endif
+    return acc;
+}
+
 /* out[0..15] = acc * s. */
 static inline void v16_store_scaled(float *out, v16 acc, float s) {
 #if VL == 16

@@ -248,9 +248,10 @@ class LlamaForCausalLM(torch.nn.Module):
         """``[..., hidden_size] -> [..., vocab_size] float32``."""
         return self.lm_head(hidden).float()
 
-    def new_cache(self, num_slots: int) -> KVCache:
-        """A KV cache of ``num_slots`` slots (plus the trash slot) in the model's dtype and device."""
+    def new_cache(self, num_slots: int, kv_dtype: torch.dtype | None = None) -> KVCache:
+        """A KV cache of ``num_slots`` slots (plus the trash slot) on the model's device, storing
+        ``kv_dtype`` (default: the model's dtype; float16 under a float32 model halves it)."""
         cfg = self.config
         p = self.model.embed_tokens.weight
         n_kv = self.model.layers[0].self_attn.n_kv if cfg.num_hidden_layers else cfg.num_key_value_heads
-        return KVCache(cfg.num_hidden_layers, num_slots, n_kv, cfg.head_size, p.dtype, p.device)
+        return KVCache(cfg.num_hidden_layers, num_slots, n_kv, cfg.head_size, kv_dtype or p.dtype, p.device, p.dtype)

@@ -60,7 +60,7 @@ class TPExecutor:
 
     def __init__(self, model_path: str, tp_size: int, num_slots: int, *, dtype: torch.dtype = torch.float32,
                  device: str = "cpu", num_threads: int | None = None, model: LlamaForCausalLM | None = None,
-                 gpus: list[str] | None = None):
+                 gpus: list[str] | None = None, kv_dtype: torch.dtype | None = None):
         self.config: LlamaConfig = LlamaConfig.from_dir(model_path)
         check_tp_size(self.config, tp_size)
         self.tp_size = tp_size
@@ -72,13 +72,14 @@ class TPExecutor:
         try:
             threads = num_threads or max(1, (os.cpu_count() or 1) // tp_size)
             init = {"model_path": str(model_path), "dtype": str(dtype).removeprefix("torch."),
-                    "num_slots": num_slots, "num_threads": threads}
+                    "num_slots": num_slots, "num_threads": threads,
+                    "kv_dtype": None if kv_dtype is None else str(kv_dtype).removeprefix("torch.")}
             self._broadcast("init", init)
             if model is None:
                 model = load_model(model_path, dtype, str(self.device))
             self.embed_weight = model.model.embed_tokens.weight
             self.lm_head_weight = model.lm_head.weight
-            self.worker = self._guard(ShardWorker, model, num_slots, self.comm)
+            self.worker = self._guard(ShardWorker, model, num_slots, self.comm, kv_dtype)
         except BaseException:
             self.close()
             raise
@@ -149,12 +150,12 @@ class TPExecutor:
 
 
 def tp_executor_factory(model_path: str, tp_size: int, num_threads: int | None = None,
-                        gpus: list[str] | None = None) -> Callable[[LlamaForCausalLM, int], TPExecutor]:
-    """``executor_factory(model, num_slots)`` for :class:`workers.engine.Engine`: a
+                        gpus: list[str] | None = None) -> Callable[..., TPExecutor]:
+    """``executor_factory(model, num_slots, kv_dtype=None)`` for :class:`workers.engine.Engine`: a
     :class:`TPExecutor` whose leader shards the engine's loaded model (same dtype and device);
     ``gpus`` as in :class:`TPExecutor`."""
-    def make(model: LlamaForCausalLM, num_slots: int) -> TPExecutor:
+    def make(model: LlamaForCausalLM, num_slots: int, kv_dtype: torch.dtype | None = None) -> TPExecutor:
         w = model.lm_head.weight
         return TPExecutor(model_path, tp_size, num_slots, dtype=w.dtype, device=w.device.type,
-                          num_threads=num_threads, model=model, gpus=gpus)
+                          num_threads=num_threads, model=model, gpus=gpus, kv_dtype=kv_dtype)
     return make

@@ -40,7 +40,8 @@ def serve(comm: Communicator) -> None:
             if args["num_threads"]:
                 torch.set_num_threads(args["num_threads"])
             model = load_model(args["model_path"], getattr(torch, args["dtype"]), str(device))
-            worker = ShardWorker(model, args["num_slots"], comm)
+            kv_dtype = getattr(torch, args["kv_dtype"]) if args.get("kv_dtype") else None
+            worker = ShardWorker(model, args["num_slots"], comm, kv_dtype)
         elif op == "shutdown":
             comm.disconnect()
             return

@@ -24,11 +24,12 @@ class ShardWorker:
         ValueError: see :func:`workers.tp.layers.check_tp_size`.
     """
 
-    def __init__(self, model: LlamaForCausalLM, num_slots: int, comm: Communicator):
+    def __init__(self, model: LlamaForCausalLM, num_slots: int, comm: Communicator,
+                 kv_dtype: torch.dtype | None = None):
         shard_model(model, comm)
         prepare_cpu_inference(model)
         self.model, self.comm = model, comm
-        self.cache = model.new_cache(num_slots)
+        self.cache = model.new_cache(num_slots, kv_dtype)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:

@@ -152,3 +152,38 @@ def test_rope_and_kv_write_equal_the_torch_path(H, HKV, D, isa):
     assert torch.equal(kc, want_k) and torch.equal(vc, want_v)
     with pytest.raises(ValueError, match="do not fit"):
         rope_write_kv(isa, qkv, cos, sin, slots, kc, vc, H + 1, HKV)
+
+
+@pytest.mark.parametrize("B,T,L", [(1, 1, 341), (3, 1, 64), (1, 7, 200), (2, 5, 37), (1, 65, 80)])
+def test_a_float16_cache_gives_the_bits_of_its_values_widened(B, T, L, isa):
+    """A float16 KV cache (engine.kv_cache_dtype) is read by widening each value exactly: one row
+    (read in place) and several rows (a tree or prompt chunk: the head's keys and values widened
+    once into scratch) both equal the float32 kernel over the same values, bit for bit, with
+    masked holes and out-of-order slots."""
+    q, kc, vc, slots, mask = random_case(B, T, L, 9, 3, 64, seed=B + T + L)
+    kh, vh = kc.half(), vc.half()
+    p = plan(isa, AttentionGroup(0, B, T, slots, mask), kc.shape[0])
+    got = attend(p, q, kh, vh)
+    assert torch.equal(got, attend(p, q, kh.float(), vh.float()))
+    assert (got.double() - reference(q, kh.float(), vh.float(), slots, mask)).abs().max() < TOL
+    with pytest.raises(ValueError, match="float16 cache"):
+        attend(p, q, kh, vc)  # keys and values of different dtypes
+
+
+def test_rope_and_kv_write_round_to_a_float16_cache_as_torch_does(isa):
+    """Writing to a float16 cache rounds each key and value to the nearest float16 (ties to even),
+    as ``.to(torch.float16)`` does, so the C and torch paths fill the cache with the same bits;
+    queries stay float32."""
+    H, HKV, D, N, rows = 9, 3, 64, 6, 40
+    rotary = RotaryEmbedding(D, 512, 10000.0, None)
+    cos, sin = rotary(torch.tensor([0, 5, 300, 7, 7, 511]), torch.float32)
+    qkv = torch.randn(N, (H + 2 * HKV) * D) * 30  # some values beyond float16's subnormal and rounding edges
+    qkv[0, (H + HKV) * D] = 2049.0  # halfway between two float16 values: rounds to even (2048)
+    slots = torch.tensor([3, 9, 0, 39, 39, 17])
+    k32, v32 = torch.zeros(rows, HKV, D), torch.zeros(rows, HKV, D)
+    q32 = rope_write_kv(isa, qkv, cos, sin, slots, k32, v32, H, HKV)
+    k16, v16 = torch.zeros(rows, HKV, D, dtype=torch.float16), torch.zeros(rows, HKV, D, dtype=torch.float16)
+    q16 = rope_write_kv(isa, qkv, cos, sin, slots, k16, v16, H, HKV)
+    assert q16.dtype == torch.float32 and torch.equal(q16, q32)
+    assert torch.equal(k16, k32.half()) and torch.equal(v16, v32.half())
+    assert v16[3, 0, 0].item() == 2048.0

@@ -11,6 +11,7 @@ iterations mix context chunks with draft trees. Each ``tp_size`` is spawned once
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tiny_model import make_trained_tiny_drafter_dir
 from tp_models import make_tp_model_dir
@@ -72,5 +73,22 @@ def test_engine_greedy_output_is_token_identical(dirs, reference, tp):
         assert engine.executor.tp_size == tp
         assert run_all(engine) == reference
         assert engine.blocks.num_cached_blocks > 0 and run_all(engine) == reference  # again, the prompts' blocks now from the prefix cache
+    finally:
+        engine.close()
+
+
+def test_a_float16_kv_cache_on_tp2_gives_tp1s_tokens(dirs):
+    """``kv_cache_dtype: float16`` reaches every rank (each holds its KV heads in float16, rounded the
+    same way), so TP2 decodes TP1's tokens with that cache too, plain and speculative."""
+    single = load_engine(str(dirs[0]), str(dirs[1]), enable_prefix_caching=False, kv_cache_dtype="float16", **OPTIONS)
+    try:
+        want = run_all(single)
+    finally:
+        single.close()
+    engine = load_engine(str(dirs[0]), str(dirs[1]), executor_factory=tp_executor_factory(str(dirs[0]), 2, 1),
+                         kv_cache_dtype="float16", **OPTIONS)
+    try:
+        assert engine.executor.worker.cache.k[0].dtype == torch.float16
+        assert run_all(engine) == want
     finally:
         engine.close()

@@ -1,0 +1,105 @@
+"""A float16 KV cache (``engine.kv_cache_dtype``) against float32: perplexity and greedy agreement.
+
+Two engines from ``--config`` in one process, identical but for ``kv_cache_dtype`` (float32 and
+float16; everything else, prefill and decode paths included, as the config says):
+
+- **perplexity**: teacher-forced, of human-written reference answers given their questions
+  (``--reference``, GSM8K-style rows), exp of the mean negative log-likelihood of the answer tokens;
+  the answer rows attend over keys and values read back from the cache, so its rounding counts;
+- **greedy agreement**: ``--max-tokens`` greedy tokens per prompt of ``--prompts``: the share of
+  prompts whose output is identical, and the mean common prefix.
+
+The speed side is in ``benchmarks/decode_attention.py`` (the kernel) and ``batch_scaling.py`` /
+``step_cost_by_context.py`` run on configs that differ in ``kv_cache_dtype``. Prints a Markdown
+table naming the CPU and compute path, and writes JSON.
+
+Usage:
+    python benchmarks/kv_cache_dtype.py --config configs/local.yaml \\
+        --prompts ../shared/datasets/broad/dev.jsonl --num-prompts 32 --max-tokens 64 \\
+        --reference ../shared/datasets/gsm8k/gsm8k_dev.jsonl --num-reference 100 \\
+        --out benchmarks/results/kv_cache_dtype
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_report import write_report  # noqa: E402
+from prefill_precision import greedy, load_references, load_rows, response_nll  # noqa: E402
+
+from cluster.config import load_config  # noqa: E402
+from cluster.replica.build import build_engine  # noqa: E402
+from workers.kernels.build import cpu_model  # noqa: E402
+
+KINDS = ("float32", "float16")
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default="configs/local.yaml", help="rdserve config (its kv_cache_dtype is replaced)")
+    ap.add_argument("--prompts", required=True, help="JSONL of chat rows (e.g. ../shared/datasets/broad/dev.jsonl)")
+    ap.add_argument("--num-prompts", type=_positive, default=32, help="prompts for greedy agreement")
+    ap.add_argument("--max-tokens", type=_positive, default=64, help="greedy tokens compared per prompt")
+    ap.add_argument("--reference", required=True, help="JSONL of questions with reference answers")
+    ap.add_argument("--num-reference", type=_positive, default=100, help="reference rows for perplexity")
+    ap.add_argument("--max-context", type=_positive, default=1024, help="skip rows longer than this (tokens)")
+    ap.add_argument("--out", default="benchmarks/results/kv_cache_dtype", help="OUT.md and OUT.json (no suffix)")
+    args = ap.parse_args(argv)
+    for path in (args.config, args.prompts, args.reference):
+        if not Path(path).is_file():
+            ap.error(f"no such file: {path}")
+
+    engines = {}
+    for kind in KINDS:
+        cfg = load_config(args.config)
+        cfg.engine.kv_cache_dtype = kind
+        engines[kind] = build_engine(cfg)
+    path = engines["float32"].compute_path
+    refs = load_references(args.reference, args.num_reference)
+    result = {"config": args.config, "cpu": cpu_model(), "compute_path": path, "reference": args.reference,
+              "perplexity": {}, "agreement": {}}
+    for kind, engine in engines.items():
+        nll = n = 0
+        for messages, answer in refs:
+            p = engine.encode_chat(messages)
+            r = engine.encode_prompt(answer)
+            if len(p) + len(r) > args.max_context:
+                continue
+            a, b = response_nll(engine, p, r)
+            nll, n = nll + a, n + b
+        result["perplexity"][kind] = {"tokens": n, "perplexity": math.exp(nll / n)}
+    same = prefix = 0
+    rows = load_rows(args.prompts, args.num_prompts)
+    for row in rows:
+        ids = engines["float32"].encode_chat(row["messages"])
+        a, b = (greedy(engines[k], ids, args.max_tokens) for k in KINDS)
+        same += a == b
+        prefix += next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    result["agreement"] = {"prompts": len(rows), "identical": same, "mean_common_prefix": prefix / len(rows)}
+    lines = [f"KV cache dtype, {result['cpu']}, compute path {path}", "",
+             "| KV cache | answer perplexity | tokens |", "|---|---|---|"]
+    for kind, v in result["perplexity"].items():
+        lines.append(f"| {kind} | {v['perplexity']:.4f} | {v['tokens']} |")
+    lines += ["", f"greedy output identical on {same} of {len(rows)} prompts over {args.max_tokens} tokens; "
+                  f"mean common prefix {prefix / len(rows):.1f} tokens"]
+    text = "\n".join(lines)
+    print(text)
+    write_report(args.out, text, result)
+
+
+if __name__ == "__main__":
+    main()
