@@ -15,9 +15,15 @@ time does not show what its threads cost the rest of the process, and over HTTP 
 threads on ties served less at high concurrency; BENCHMARKS.md "Sharing the CPU"). Now and then :attr:`ThreadPolicy.probe_steps` steps of a size class try a neighbouring count, so
 the choice follows the machine as the load on it changes; the wait between probes keeps their cost
 within :attr:`ThreadPolicy.probe_budget` of the class's time (at most
-:attr:`ThreadPolicy.max_probe_interval_s`). The first step after the count changes is not measured
-once the count has a sample: threads that slept wake up and find their caches cold, which a
-single-step probe would charge to the larger count.
+:attr:`ThreadPolicy.max_probe_interval_s`). After the count changes, steps are not measured (once the
+count has a sample) until one step and :attr:`ThreadPolicy.warmup_s` have passed on it (a step of
+ten times that is measured anyway), and a probe
+lasts until it has one measured step (at most :attr:`ThreadPolicy.probe_steps`): threads that slept
+wake up and find their caches cold, and in a Serve replica the switch costs more than one short step. Measured there
+(2-core Xeon, batch 1, 2026-12-05): with one unmeasured step, probes of the count not in use read
+1.5-3x its steady step time (2 threads: 10-20 ms probed against 5 ms steady), so whichever count
+ran last stayed chosen, and a burst of slow 2-thread steps left the replica on 1 thread (time per
+output token 7.7-8 ms against 5.5 ms on 2).
 
 Kernels give the same bits on any thread count (tests/workers/kernels), so the choice changes only
 speed, never output.
@@ -52,7 +58,9 @@ class ThreadPolicy:
     max_threads: the most threads a step may run on (the engine's ``num_threads``).
     probe_interval_s: shortest wait (seconds of wall time) between two probes of one size class; a
         probe tries a neighbour of the best count (the next larger first, then the next smaller).
-    probe_steps: steps of one probe (the first is not measured, see the module docstring).
+    probe_steps: the most steps of one probe; it ends at its first measured step.
+    warmup_s: after a change of count, steps are measured once one step and this much step time
+        (seconds) have passed on the new count.
     probe_budget: the fraction of a size class's time that probing a slower count may cost: the wait
         before the next probe is at least what the last one cost over this (so a slow count on long
         steps is probed rarely), at most ``max_probe_interval_s`` (so a count that was slow under
@@ -63,7 +71,8 @@ class ThreadPolicy:
 
     max_threads: int
     probe_interval_s: float = 1.0
-    probe_steps: int = 2
+    probe_steps: int = 6
+    warmup_s: float = 0.02
     probe_budget: float = 0.02
     max_probe_interval_s: float = 10.0
     alpha: float = 0.25
@@ -73,10 +82,15 @@ class ThreadPolicy:
     _probe_turn: dict[int, int] = field(default_factory=dict)
     _probing: dict[int, tuple[int, int]] = field(default_factory=dict)  # class -> (count, steps left)
     _last: int | None = None  # the count of the previous step
+    _since_switch: int = 0  # steps run on _last since the count changed
+    _switch_s: float = 0.0  # their step time (seconds)
 
     def __post_init__(self):
         if self.max_threads < 1:
             raise ValueError(f"max_threads must be >= 1, got {self.max_threads}")
+        if self.probe_steps < 2 or not 0 <= self.warmup_s < math.inf:
+            raise ValueError(f"probe_steps must be >= 2 and warmup_s finite and >= 0, got {self.probe_steps}, "
+                             f"{self.warmup_s}")
         self.counts = candidate_counts(self.max_threads)
 
     def best(self, rows: int) -> int | None:
@@ -121,8 +135,16 @@ class ThreadPolicy:
 
     def observe(self, rows: int, threads: int, step_s: float) -> None:
         """Record that a step of ``rows`` rows on ``threads`` threads took ``step_s`` seconds (not
-        counted when the previous step ran on another count)."""
-        switched, self._last = threads != self._last, threads
+        counted while the count is warming up after a change, see the module docstring)."""
+        if threads != self._last:
+            self._since_switch, self._switch_s = 0, 0.0
+        # a step ten warm-ups long outweighs the switch's cost and is measured anyway (a prompt chunk
+        # between decode steps on another count would otherwise never be)
+        switched = step_s < 10 * self.warmup_s and (self._since_switch < 1 or self._switch_s < self.warmup_s)
+        self._last = threads
+        self._since_switch += 1
+        if math.isfinite(step_s) and step_s > 0:
+            self._switch_s += step_s
         if threads not in self.counts or not math.isfinite(step_s) or step_s <= 0:
             return
         key = (size_class(rows), threads)
@@ -130,6 +152,8 @@ class ThreadPolicy:
         if switched and old is not None:  # a cold step; the first sample of a count is taken anyway,
             return  # or a class that always follows another count's steps would never be measured
         self._step_s[key] = step_s if old is None else (1 - self.alpha) * old + self.alpha * step_s
+        if self._probing.get(key[0], (None,))[0] == threads:  # the probe has its sample
+            del self._probing[key[0]]
 
     def stats(self) -> dict[str, dict[int, float]]:
         """``{"rows<2^c": {threads: mean step ms}}`` for logs and tests."""

@@ -126,3 +126,26 @@ def test_an_engine_gives_the_same_output_whatever_its_threads_do(tiny_model_dirs
         assert any(len(by_count) == 2 for by_count in engine.thread_policy.stats().values())
     finally:
         torch.set_num_threads(threads)
+
+
+def test_a_switch_that_costs_several_steps_does_not_pin_the_last_count():
+    """What a Serve replica showed (2-core Xeon, batch 1): the first two steps after the count changes
+    cost 2.5x (threads that slept, caches, the event loop's share of the cores), 2 threads steady at
+    5 ms against 7 ms on 1. A burst of slow 2-thread steps (a core taken for a moment) moves the
+    policy to 1 thread; once the core is back, probes must read 2 threads' steady time, not the
+    switch, and the policy returns to 2 threads. (Measuring the second step after a switch read
+    2 threads at 12.5 ms and kept 1 thread for good.)"""
+    policy = ThreadPolicy(2, probe_interval_s=1.0)
+    steady, burst = {1: 0.007, 2: 0.005}, {1: 0.007, 2: 0.050}
+    now, last, since, chosen = 0.0, None, 0, []
+    for i in range(12000):
+        times = burst if 1000 <= i < 1100 else steady
+        t = policy.choose(1, now)
+        since = since + 1 if t == last else 0
+        last = t
+        step = times[t] * (2.5 if since < 2 else 1.0)
+        policy.observe(1, t, step)
+        now += step
+        chosen.append(t)
+    assert 1 in chosen[1000:1100]  # the burst moved it
+    assert chosen[-2000:].count(2) >= 1900 and policy.best(1) == 2
