@@ -18,7 +18,7 @@ within :attr:`ThreadPolicy.probe_budget` of the class's time (at most
 :attr:`ThreadPolicy.max_probe_interval_s`). After the count changes, steps are not measured (once the
 count has a sample) until one step and :attr:`ThreadPolicy.warmup_s` have passed on it (a step of
 ten times that is measured anyway), and a probe
-lasts until it has one measured step (at most :attr:`ThreadPolicy.probe_steps`): threads that slept
+lasts until it has one measured step: threads that slept
 wake up and find their caches cold, and in a Serve replica the switch costs more than one short step. Measured there
 (2-core Xeon, batch 1, 2026-12-05): with one unmeasured step, probes of the count not in use read
 1.5-3x its steady step time (2 threads: 10-20 ms probed against 5 ms steady), so whichever count
@@ -33,6 +33,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+
+
+MAX_PROBE_STEPS = 1000
+"""A safety bound on one probe's steps; a probe ends at its first measured step, one step and
+``warmup_s`` after it starts."""
 
 
 def candidate_counts(max_threads: int) -> list[int]:
@@ -58,7 +63,8 @@ class ThreadPolicy:
     max_threads: the most threads a step may run on (the engine's ``num_threads``).
     probe_interval_s: shortest wait (seconds of wall time) between two probes of one size class; a
         probe tries a neighbour of the best count (the next larger first, then the next smaller).
-    probe_steps: the most steps of one probe; it ends at its first measured step.
+    probe_steps: steps of one probe as its cost is estimated (at least; a probe runs until its
+        first measured step, so longer where steps are short against ``warmup_s``).
     warmup_s: after a change of count, steps are measured once one step and this much step time
         (seconds) have passed on the new count.
     probe_budget: the fraction of a size class's time that probing a slower count may cost: the wait
@@ -126,11 +132,14 @@ class ThreadPolicy:
         turn = self._probe_turn.get(c, 0) % len(others)
         self._probe_turn[c] = turn + 1
         probe = others[turn]
-        extra_s = self.probe_steps * max(self._step_s[c, probe] - self._step_s[c, best], 0.0)
+        # a probe runs until its first measured step, which comes once its warm-up has passed (on
+        # short steps, more than probe_steps steps); its expected cost decides the wait till the next
+        sp, sb = self._step_s[c, probe], self._step_s[c, best]
+        probe_s = max(self.probe_steps * sp, self.warmup_s + 2 * sp)
+        extra_s = probe_s * max(sp - sb, 0.0) / sp
         wait_s = min(max(self.probe_interval_s, extra_s / self.probe_budget), self.max_probe_interval_s)
         self._next_probe[c] = now + wait_s
-        if self.probe_steps > 1:
-            self._probing[c] = (probe, self.probe_steps - 1)
+        self._probing[c] = (probe, MAX_PROBE_STEPS - 1)
         return probe
 
     def observe(self, rows: int, threads: int, step_s: float) -> None:

@@ -35,8 +35,9 @@ reads from the cache; the kernels widen each value exactly before float32 arithm
 
 
 def supports(head_dim: int, n_heads: int, n_kv: int) -> bool:
-    """Whether the kernel handles this head shape (``head_dim`` a multiple of 16, GQA groups)."""
-    return head_dim % 16 == 0 and n_kv > 0 and n_heads % n_kv == 0
+    """Whether the kernel handles this head shape (``head_dim`` a multiple of 16 up to 1,024, the
+    RoPE + KV write's row buffer; GQA groups)."""
+    return head_dim % 16 == 0 and 0 < head_dim <= 1024 and n_kv > 0 and n_heads % n_kv == 0
 
 
 @dataclass
