@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from prefill_precision import greedy, load_references, load_rows, response_nll  # noqa: E402
+from prefill_precision import answer_perplexity, greedy_agreement, load_references, load_rows  # noqa: E402
 
 from cluster.config import load_config  # noqa: E402
 from cluster.replica.build import build_engine  # noqa: E402
@@ -53,30 +52,16 @@ def main() -> None:
         engines[kind] = build_engine(cfg)
         assert engines[kind].decode_activations == kind
     refs = load_references(args.reference, args.num_reference)
-    result = {"config": args.config, "reference": args.reference, "perplexity": {}, "agreement": {}}
-    for kind, engine in engines.items():
-        nll = n = 0
-        for messages, answer in refs:
-            p = engine.encode_chat(messages)
-            r = engine.encode_prompt(answer)
-            if len(p) + len(r) > args.max_context:
-                continue
-            a, b = response_nll(engine, p, r)
-            nll, n = nll + a, n + b
-        result["perplexity"][kind] = {"tokens": n, "perplexity": math.exp(nll / n)}
-    same = prefix = 0
-    rows = load_rows(args.prompts, args.num_prompts)
-    for row in rows:
-        ids = engines["float32"].encode_chat(row["messages"])
-        a, b = (greedy(engines[k], ids, args.max_tokens) for k in ("float32", "int8"))
-        same += a == b
-        prefix += next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-    result["agreement"] = {"prompts": len(rows), "identical": same, "mean_common_prefix": prefix / len(rows)}
+    result = {"config": args.config, "reference": args.reference,
+              "perplexity": {kind: answer_perplexity(engine, refs, args.max_context) for kind, engine in engines.items()},
+              "agreement": greedy_agreement(engines["float32"], engines["int8"],
+                                            load_rows(args.prompts, args.num_prompts), args.max_tokens)}
+    agreement = result["agreement"]
     print("| decode activations | answer perplexity | tokens |\n|---|---|---|")
     for kind, v in result["perplexity"].items():
         print(f"| {kind} | {v['perplexity']:.4f} | {v['tokens']} |")
-    print(f"\ngreedy output identical on {same} of {len(rows)} prompts over {args.max_tokens} tokens; "
-          f"mean common prefix {prefix / len(rows):.1f} tokens")
+    print(f"\ngreedy output identical on {agreement['identical']} of {agreement['prompts']} prompts over "
+          f"{args.max_tokens} tokens; mean common prefix {agreement['mean_common_prefix']:.1f} tokens")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out + ".json").write_text(json.dumps(result, indent=1) + "\n")
 

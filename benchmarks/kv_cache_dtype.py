@@ -23,7 +23,6 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from pathlib import Path
 
@@ -31,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_report import write_report  # noqa: E402
-from prefill_precision import greedy, load_references, load_rows, response_nll  # noqa: E402
+from prefill_precision import answer_perplexity, greedy_agreement, load_references, load_rows  # noqa: E402
 
 from cluster.config import load_config  # noqa: E402
 from cluster.replica.build import build_engine  # noqa: E402
@@ -71,31 +70,16 @@ def main(argv: list[str] | None = None) -> None:
     path = engines["float32"].compute_path
     refs = load_references(args.reference, args.num_reference)
     result = {"config": args.config, "cpu": cpu_model(), "compute_path": path, "reference": args.reference,
-              "perplexity": {}, "agreement": {}}
-    for kind, engine in engines.items():
-        nll = n = 0
-        for messages, answer in refs:
-            p = engine.encode_chat(messages)
-            r = engine.encode_prompt(answer)
-            if len(p) + len(r) > args.max_context:
-                continue
-            a, b = response_nll(engine, p, r)
-            nll, n = nll + a, n + b
-        result["perplexity"][kind] = {"tokens": n, "perplexity": math.exp(nll / n)}
-    same = prefix = 0
-    rows = load_rows(args.prompts, args.num_prompts)
-    for row in rows:
-        ids = engines["float32"].encode_chat(row["messages"])
-        a, b = (greedy(engines[k], ids, args.max_tokens) for k in KINDS)
-        same += a == b
-        prefix += next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-    result["agreement"] = {"prompts": len(rows), "identical": same, "mean_common_prefix": prefix / len(rows)}
+              "perplexity": {kind: answer_perplexity(engine, refs, args.max_context) for kind, engine in engines.items()},
+              "agreement": greedy_agreement(engines["float32"], engines["float16"],
+                                            load_rows(args.prompts, args.num_prompts), args.max_tokens)}
+    agreement = result["agreement"]
     lines = [f"KV cache dtype, {result['cpu']}, compute path {path}", "",
              "| KV cache | answer perplexity | tokens |", "|---|---|---|"]
     for kind, v in result["perplexity"].items():
         lines.append(f"| {kind} | {v['perplexity']:.4f} | {v['tokens']} |")
-    lines += ["", f"greedy output identical on {same} of {len(rows)} prompts over {args.max_tokens} tokens; "
-                  f"mean common prefix {prefix / len(rows):.1f} tokens"]
+    lines += ["", f"greedy output identical on {agreement['identical']} of {agreement['prompts']} prompts over "
+                  f"{args.max_tokens} tokens; mean common prefix {agreement['mean_common_prefix']:.1f} tokens"]
     text = "\n".join(lines)
     print(text)
     write_report(args.out, text, result)

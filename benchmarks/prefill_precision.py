@@ -94,6 +94,31 @@ def response_nll(engine, prompt_ids: list[int], response_ids: list[int]) -> tupl
     return float(-logp[torch.arange(len(response_ids)), target].sum()), len(response_ids)
 
 
+def answer_perplexity(engine, refs: list[tuple[list[dict], str]], max_context: int) -> dict:
+    """``{"tokens": n, "perplexity": exp(mean NLL)}`` of the reference answers given their questions
+    (:func:`response_nll`), skipping rows longer than ``max_context`` tokens."""
+    nll = n = 0
+    for messages, answer in tqdm(refs, desc="perplexity", leave=False):
+        p, r = engine.encode_chat(messages), engine.encode_prompt(answer)
+        if len(p) + len(r) > max_context:
+            continue
+        a, b = response_nll(engine, p, r)
+        nll, n = nll + a, n + b
+    return {"tokens": n, "perplexity": math.exp(nll / n) if n else None}
+
+
+def greedy_agreement(engine_a, engine_b, rows: list[dict], max_tokens: int) -> dict:
+    """Greedy outputs of two engines on the chat ``rows``: ``{"prompts", "identical",
+    "mean_common_prefix"}`` (tokens)."""
+    same = prefix = 0
+    for row in tqdm(rows, desc="greedy agreement", leave=False):
+        ids = engine_a.encode_chat(row["messages"])
+        a, b = greedy(engine_a, ids, max_tokens), greedy(engine_b, ids, max_tokens)
+        same += a == b
+        prefix += next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return {"prompts": len(rows), "identical": same, "mean_common_prefix": prefix / len(rows) if rows else 0.0}
+
+
 def fmt(ppl: float | None) -> str:
     return "-" if ppl is None else f"{ppl:.4f}"
 

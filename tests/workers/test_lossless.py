@@ -96,6 +96,12 @@ def random_prompt(rng: random.Random, vocab: int, max_len: int = 100) -> list[in
     return [rng.randrange(3, vocab) for _ in range(rng.randint(1, max_len))]
 
 
+def random_shape(rng: random.Random) -> dict:
+    """Engine options of a random case: a tree of 1-4 x 1-4, with or without a 4-token lookup beam."""
+    return dict(num_beams=rng.randint(1, 4), draft_len_per_beam=rng.randint(1, 4),
+                prompt_lookup_num_tokens=rng.choice([0, 4]), prompt_lookup_min=1, max_seq_len=256)
+
+
 def stop_strings(text: str) -> list[str]:
     """Substrings of length 1-3 at every offset of ``text``, without U+FFFD (random models emit
     invalid UTF-8; its replacement character is withheld text, not a stop-string candidate)."""
@@ -282,8 +288,7 @@ def test_greedy_spec_matches_plain_on_int8_activations(tiny_model_dirs, trained_
     for case in range(16):
         rng = random.Random(2000 + case)
         variant = weights_variant(VARIANTS[case % 2], "gguf")
-        shape = dict(num_beams=rng.randint(1, 4), draft_len_per_beam=rng.randint(1, 4),
-                     prompt_lookup_num_tokens=rng.choice([0, 4]), prompt_lookup_min=1, max_seq_len=256)
+        shape = random_shape(rng)
         engine = load_engine(str(tiny_model_dirs[variant]), str(trained_drafter_dirs[variant]),
                         decode_activations="int8", **shape)
         assert engine.decode_activations == "int8" and engine.compute_path == path
@@ -349,8 +354,7 @@ def test_greedy_spec_matches_plain_on_a_float16_kv_cache(tiny_model_dirs, traine
     for case in range(8):
         rng = random.Random(3000 + case)
         variant = weights_variant(VARIANTS[case % 2], "gguf")
-        shape = dict(num_beams=rng.randint(1, 4), draft_len_per_beam=rng.randint(1, 4),
-                     prompt_lookup_num_tokens=rng.choice([0, 4]), prompt_lookup_min=1, max_seq_len=256)
+        shape = random_shape(rng)
         engine = load_engine(str(tiny_model_dirs[variant]), str(trained_drafter_dirs[variant]),
                              decode_activations=activations, kv_cache_dtype="float16", **shape)
         assert {t.dtype for t in engine.executor.cache.k + engine.executor.cache.v} == {torch.float16}
