@@ -35,7 +35,8 @@ def engine_features(cfg: RdserveConfig) -> dict[str, str]:
     return {
         "in_flight_batching": f"yes: up to {eng.max_batch_size} requests, {eng.max_num_tokens} tokens per "
                               f"iteration, prefill chunks of {eng.max_prefill_chunk or eng.max_num_tokens}",
-        "paged_kv_cache": f"yes: blocks of {eng.tokens_per_block} tokens, {kv}",
+        "paged_kv_cache": f"yes: blocks of {eng.tokens_per_block} tokens, {kv}, values in "
+                          f"{eng.dtype if eng.kv_cache_dtype == 'auto' else eng.kv_cache_dtype}",
         "empty_sub_batch": "yes: iterations with only context or only generation requests",
         "speculation_policy": speculation_text(cfg.speculation),
         **({"speculation_by_compute_path": "; ".join(
