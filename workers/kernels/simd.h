@@ -120,6 +120,38 @@ static inline v16 v16_fma_h(const float *a, const uint16_t *b, v16 c) {
     return c;
 }
 
+/* v[0..15] as a v16: float32, or binary16 widened exactly (the values v16_axpy / v16_axpy_h read). */
+static inline v16 v16_load(const float *v) {
+    v16 a;
+#if VL == 16
+    a.v = _mm512_loadu_ps(v);
+#else
+    a.lo = _mm256_loadu_ps(v);
+    a.hi = _mm256_loadu_ps(v + 8);
+#endif
+    return a;
+}
+static inline v16 v16_load_h(const uint16_t *v) {
+    v16 a;
+#if VL == 16
+    a.v = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)v));
+#else
+    a.lo = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)v));
+    a.hi = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(v + 8)));
+#endif
+    return a;
+}
+/* acc + p * v, v already loaded: the bits of v16_axpy / v16_axpy_h on the same values. */
+static inline v16 v16_axpy_v(float p, v16 v, v16 acc) {
+#if VL == 16
+    acc.v = _mm512_fmadd_ps(_mm512_set1_ps(p), v.v, acc.v);
+#else
+    __m256 pv = _mm256_set1_ps(p);
+    acc.lo = _mm256_fmadd_ps(pv, v.lo, acc.lo);
+    acc.hi = _mm256_fmadd_ps(pv, v.hi, acc.hi);
+#endif
+    return acc;
+}
 /* acc + p * v[0..15] with v in binary16 (v16_axpy on the widened values). */
 static inline v16 v16_axpy_h(float p, const uint16_t *v, v16 acc) {
 #if VL == 16

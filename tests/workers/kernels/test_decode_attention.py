@@ -93,6 +93,43 @@ def test_a_row_depends_only_on_its_visible_keys_in_order(isa):
     assert torch.equal(together[T + 3], alone[0])
 
 
+def tree_and_chunk_masks(B, T, L, seed):
+    """Masks as the engine builds them: each request's rows see its whole context (the dense part the
+    kernel takes without mask checks, rows in blocks) and then a draft tree's ancestors (random) or a
+    prompt chunk's earlier rows (causal); one request's row 1 sees nothing of its tail."""
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.zeros(B, 1, T, L, dtype=torch.bool)
+    for b in range(B):
+        P = L - T
+        mask[b, 0, :, :P] = True
+        tail = torch.ones(T, T, dtype=torch.bool).tril() if b % 2 else (torch.rand(T, T, generator=g) < 0.4).tril()
+        mask[b, 0, :, P:] = tail | torch.eye(T, dtype=torch.bool)
+    if B > 1 and T > 2:
+        mask[1, 0, 1, L - T:] = False
+        mask[1, 0, 1, 5] = False  # a hole in row 1's context: its dense run ends early
+    return mask
+
+
+@pytest.mark.parametrize("B,T,L", [(1, 2, 40), (2, 3, 100), (1, 7, 301), (2, 13, 64), (1, 17, 129), (2, 40, 90)])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+def test_tree_and_chunk_rows_equal_each_row_alone(B, T, L, kv_dtype, isa):
+    """Rows that share their context are taken together (keys read once for 2-3 rows' scores, values
+    once for blocks of up to 6 rows): every row still gets the bits it gets alone over its visible
+    keys, at every block size and for both cache dtypes, and matches float64 SDPA."""
+    q, kc, vc, slots, _ = random_case(B, T, L, 9, 3, 64, seed=T * 7 + L)
+    mask = tree_and_chunk_masks(B, T, L, seed=T + L)
+    kc, vc = kc.to(kv_dtype), vc.to(kv_dtype)
+    got = attend(plan(isa, AttentionGroup(0, B, T, slots, mask), kc.shape[0]), q, kc, vc)
+    assert (got.double() - reference(q, kc.float(), vc.float(), slots, mask)).abs().max() < TOL
+    for b in range(B):
+        for t in range(T):
+            seen = mask[b, 0, t].nonzero().flatten()
+            alone_mask = torch.ones(1, 1, 1, len(seen), dtype=torch.bool)
+            alone = attend(plan(isa, AttentionGroup(0, 1, 1, slots[b, seen][None], alone_mask), kc.shape[0]),
+                           q[b * T + t : b * T + t + 1], kc, vc)
+            assert torch.equal(got[b * T + t], alone[0]), (b, t)
+
+
 def test_row_without_visible_keys_is_zero(isa):
     q, kc, vc, slots, mask = random_case(1, 2, 20, 4, 2, 16)
     mask[0, 0, 1] = False
@@ -157,9 +194,9 @@ def test_rope_and_kv_write_equal_the_torch_path(H, HKV, D, isa):
 @pytest.mark.parametrize("B,T,L", [(1, 1, 341), (3, 1, 64), (1, 7, 200), (2, 5, 37), (1, 65, 80)])
 def test_a_float16_cache_gives_the_bits_of_its_values_widened(B, T, L, isa):
     """A float16 KV cache (engine.kv_cache_dtype) is read by widening each value exactly: one row
-    (read in place) and several rows (a tree or prompt chunk: the head's keys and values widened
-    once into scratch) both equal the float32 kernel over the same values, bit for bit, with
-    masked holes and out-of-order slots."""
+    and several rows (a tree or prompt chunk, whose rows share each widened key and value) both
+    equal the float32 kernel over the same values, bit for bit, with masked holes and out-of-order
+    slots."""
     q, kc, vc, slots, mask = random_case(B, T, L, 9, 3, 64, seed=B + T + L)
     kh, vh = kc.half(), vc.half()
     p = plan(isa, AttentionGroup(0, B, T, slots, mask), kc.shape[0])
