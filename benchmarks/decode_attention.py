@@ -11,16 +11,27 @@ multiply-adds per second. Cases (``BxTxL``: requests x new rows per request x co
 tokens) cover plain decoding at batch 1 and 16, a draft tree's rows (the last ``T`` keys under a
 causal mask, as a tree's own rows see only their ancestors) and a prompt chunk.
 
+``--baseline REV`` also builds the kernel library with ``decode_attention.c`` and ``simd.h`` as
+they were at git revision ``REV`` (the other sources and the flags as now) and times both,
+interleaved (each first in every other round), on the same inputs, and says where their bits
+differ: an A/B of a kernel change on one machine in one run (this VM's speed drifts by 10-40% over
+minutes, so runs minutes apart do not compare).
+
 Usage:
     python benchmarks/decode_attention.py --cases 1x1x1024,1x7x1024,16x1x256,1x64x512 \
         --kv-dtypes float32,float16 --rounds 9 --out benchmarks/results/decode_attention
+    python benchmarks/decode_attention.py --baseline HEAD~1 --out /tmp/decode_attention_ab
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import statistics
+import subprocess
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -77,6 +88,33 @@ def case_inputs(B: int, T: int, L: int, seed: int = 0, kv_dtype: torch.dtype = t
     return q, kc, vc, AttentionGroup(0, B, T, slots, mask, decode=True)
 
 
+def baseline_kernel(rev: str, isa: str):
+    """``rd_decode_attention`` of a kernel library built as :mod:`workers.kernels.build` builds it (all
+    sources, the same flags), with ``decode_attention.c`` and ``simd.h`` as they were at git
+    revision ``rev``: a whole library, so that both sides of the A/B are laid out alike.
+
+    Raises:
+        SystemExit: ``rev`` unknown to git, or the library does not compile (the message says which).
+    """
+    tmp = Path(tempfile.mkdtemp(prefix="rdserve-attention-"))
+    for path in (*build.SOURCES, *build.HEADERS):
+        (tmp / path.name).write_text(path.read_text())
+    for name in ("decode_attention.c", "simd.h"):
+        got = subprocess.run(["git", "show", f"{rev}:workers/kernels/{name}"], capture_output=True, text=True)
+        if got.returncode:
+            raise SystemExit(f"--baseline {rev}: cannot read workers/kernels/{name}: {got.stderr.strip()}")
+        (tmp / name).write_text(got.stdout)
+    lib = tmp / "baseline.so"
+    cmd = [*build._compiler(), *build.FLAGS, *build.ISA_FLAGS[isa], *(str(tmp / p.name) for p in build.SOURCES),
+           "-o", str(lib)]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(f"--baseline {rev}: the kernel library does not compile:\n{done.stderr[-2000:]}")
+    fn = ctypes.CDLL(str(lib)).rd_decode_attention
+    fn.argtypes, fn.restype = build.kernel(isa, "rd_decode_attention").argtypes, ctypes.c_int
+    return fn
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
@@ -86,43 +124,59 @@ def main(argv: list[str] | None = None) -> None:
                     help="comma-separated KV cache dtypes, each timed per case (default: float32,float16)")
     ap.add_argument("--rounds", type=_positive, default=9, help="timed rounds per case; the median is reported")
     ap.add_argument("--threads", type=_positive, default=None, help="OpenMP threads (default: torch's)")
+    ap.add_argument("--baseline", metavar="REV", default=None,
+                    help="also time the kernel of git revision REV (e.g. HEAD~1), interleaved: an A/B in one run")
     ap.add_argument("--out", default=None, help="write OUT.md and OUT.json (path without suffix)")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     isa = build.load()
+    kernels = {"": None}
+    if args.baseline:
+        kernels = {"": None, args.baseline: baseline_kernel(args.baseline, isa)}
     rows_out = []
     for B, T, L in args.cases:
         layers = {name: [case_inputs(B, T, L, seed=i, kv_dtype=DTYPES[name]) for i in range(LAYERS)]
                   for name in args.kv_dtypes}
         plans = {name: [plan(isa, g, kc.shape[0]) for _, kc, _, g in layers[name]] for name in args.kv_dtypes}
-        times: dict[str, list[float]] = {name: [] for name in args.kv_dtypes}
-        for r in range(args.rounds + 1):  # dtypes alternate; round 0 is a warm-up
-            for name in args.kv_dtypes:
+        runs = [(name, rev) for name in args.kv_dtypes for rev in kernels]
+        for name, rev in runs:  # say where the baseline computes other bits than this kernel
+            q, kc, vc, _ = layers[name][0]
+            if rev and not torch.equal(attend(plans[name][0], q, kc, vc), attend(plans[name][0], q, kc, vc, kernels[rev])):
+                print(f"note: {B}x{T}x{L} {name}: the kernel of {rev} returns other bits than this one")
+        times: dict[tuple[str, str], list[float]] = {run: [] for run in runs}
+        for r in range(args.rounds + 1):  # dtypes and kernels alternate, in turn first; round 0 is a warm-up
+            for name, rev in (runs if r % 2 else runs[::-1]):
                 t0 = time.perf_counter()
                 for (q, kc, vc, _), p in zip(layers[name], plans[name]):
-                    attend(p, q, kc, vc)
+                    attend(p, q, kc, vc, kernels[rev])
                 if r:
-                    times[name].append(time.perf_counter() - t0)
+                    times[name, rev].append(time.perf_counter() - t0)
         visible = int(plans[args.kv_dtypes[0]][0].mask.sum())  # (row, key) pairs per request x batch
-        for name in args.kv_dtypes:
-            sec = statistics.median(times[name])
+        for name, rev in runs:
+            sec = statistics.median(times[name, rev])
             kv_bytes = LAYERS * B * L * KV_HEADS * HEAD_DIM * DTYPES[name].itemsize * 2
             products = LAYERS * HEADS * visible * HEAD_DIM * 2
-            rows_out.append({"batch": B, "rows": T, "context": L, "kv_dtype": name, "ms_per_step_30_layers": sec * 1e3,
-                             "kv_gb_per_s": kv_bytes / sec / 1e9, "g_mul_add_per_s": products / sec / 1e9})
+            row = {"batch": B, "rows": T, "context": L, "kv_dtype": name, "kernel": rev or "this",
+                   "ms_per_step_30_layers": sec * 1e3, "kv_gb_per_s": kv_bytes / sec / 1e9,
+                   "g_mul_add_per_s": products / sec / 1e9}
+            if rev:
+                row["this_vs_baseline"] = statistics.median(times[name, ""]) / sec
+            rows_out.append(row)
     cpu = build.cpu_model()
-    table = [f"Decode attention kernel, {cpu}, build {isa}, {torch.get_num_threads()} threads, median of {args.rounds}",
-             "", "| B x T x L | KV cache | ms per step (30 layers) | KV GB/s | G multiply-adds/s |",
-             "|---|---|---|---|---|"]
+    ab = f"; kernel of {args.baseline} alongside (interleaved)" if args.baseline else ""
+    table = [f"Decode attention kernel, {cpu}, build {isa}, {torch.get_num_threads()} threads, median of {args.rounds}{ab}",
+             "", "| B x T x L | KV cache | kernel | ms per step (30 layers) | KV GB/s | G multiply-adds/s | time, this / baseline |",
+             "|---|---|---|---|---|---|---|"]
     for r in rows_out:
-        table.append(f"| {r['batch']}x{r['rows']}x{r['context']} | {r['kv_dtype']} | "
-                     f"{r['ms_per_step_30_layers']:.2f} | {r['kv_gb_per_s']:.1f} | {r['g_mul_add_per_s']:.1f} |")
+        ratio = f"{r['this_vs_baseline']:.2f}x" if "this_vs_baseline" in r else ""
+        table.append(f"| {r['batch']}x{r['rows']}x{r['context']} | {r['kv_dtype']} | {r['kernel']} | "
+                     f"{r['ms_per_step_30_layers']:.2f} | {r['kv_gb_per_s']:.1f} | {r['g_mul_add_per_s']:.1f} | {ratio} |")
     text = "\n".join(table)
     print(text)
     if args.out:
         write_report(args.out, text, {"cpu": cpu, "isa": isa, "threads": torch.get_num_threads(),
-                                      "rounds": args.rounds, "cases": rows_out})
+                                      "rounds": args.rounds, "baseline": args.baseline, "cases": rows_out})
 
 
 if __name__ == "__main__":

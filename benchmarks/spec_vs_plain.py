@@ -32,6 +32,7 @@ from collections import Counter
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from bench_prompts import DATASETS
 from bench_report import write_report
@@ -114,7 +115,7 @@ def main() -> None:
     for mode, eng in engines.items():
         run_once(eng, warm, mode.removesuffix("_torch"), 16)
     rows = []
-    for p in prompts:
+    for p in tqdm(prompts, desc="prompts"):
         ids = encode(p)
         row = {"category": p["category"], "prompt_tokens": len(ids)}
         for mode, eng in engines.items():
@@ -131,7 +132,6 @@ def main() -> None:
         if e.dtype == "float32":  # lossless; in bfloat16 the two paths round differently and may diverge
             assert row["plain"]["completion_tokens"] == row["spec"]["completion_tokens"]
         rows.append(row)
-        print(p["category"], row["plain"]["latency_s"], row["spec"]["latency_s"], flush=True)
 
     def summarize(sel):
         out = {}

@@ -84,7 +84,8 @@ def plan(isa: str, group: AttentionGroup, num_cache_rows: int) -> AttentionPlan 
     return AttentionPlan(isa, B, T, L, mask, slots, 0)
 
 
-def attend(plan: AttentionPlan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+def attend(plan: AttentionPlan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+           kernel=None) -> torch.Tensor:
     """Attention of one group's queries over the cache.
 
     Args:
@@ -92,6 +93,8 @@ def attend(plan: AttentionPlan, q: torch.Tensor, k_cache: torch.Tensor, v_cache:
             head_dim contiguous, rows may be strided).
         k_cache, v_cache: ``[cache_rows, n_kv, head_dim]`` float32 or float16 (widened exactly),
             contiguous (one layer of the :class:`~workers.kv_cache.KVCache`).
+        kernel: the C entry point ``rd_decode_attention`` to call; default the plan's build's
+            (``benchmarks/decode_attention.py --baseline`` passes one built from another revision).
 
     Returns:
         ``[batch * seq_len, n_heads * head_dim] float32``, softmax scale ``1 / sqrt(head_dim)``. A
@@ -109,7 +112,7 @@ def attend(plan: AttentionPlan, q: torch.Tensor, k_cache: torch.Tensor, v_cache:
                          f"or the kernel (head_dim a multiple of 16, heads a multiple of {HKV}, float32 queries, "
                          f"a contiguous float32 or float16 cache, got {k_cache.dtype})")
     out = torch.empty(rows, H * D)
-    status = build.kernel(plan.isa, "rd_decode_attention")(
+    status = (kernel or build.kernel(plan.isa, "rd_decode_attention"))(
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
         0 if plan.slots is None else plan.slots.data_ptr(), plan.run_start, plan.mask.data_ptr(), out.data_ptr(),
         plan.batch, plan.seq_len, plan.kv_len, H, HKV, D, 1.0 / math.sqrt(D), int(k_cache.dtype == torch.float16))
