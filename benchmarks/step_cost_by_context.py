@@ -90,10 +90,10 @@ def main() -> None:
     times: list[float] = []
     observe = engine.spec_policy.observe_step  # once per generation-only iteration, with its seconds
 
-    def timed(step_shape, num_generation, num_full_trees, num_plain, seconds):
+    def timed(step_shape, num_generation, num_full_trees, num_plain, seconds, *context):
         if num_plain == num_generation or (step_shape == shape and num_full_trees == num_generation):
             times.append(seconds)  # all plain, or a whole tree of the shape (not one cut short at the end)
-        return observe(step_shape, num_generation, num_full_trees, num_plain, seconds)
+        return observe(step_shape, num_generation, num_full_trees, num_plain, seconds, *context)
 
     engine.spec_policy.observe_step = timed
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)

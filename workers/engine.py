@@ -310,7 +310,8 @@ class Engine:
         if not plan.context:  # a generation-only iteration: a clean step-time sample for the policy
             full = sum(1 for n in limits.values() if full_depth and n >= full_depth)
             plain = sum(1 for n in limits.values() if n == 0)
-            self.spec_policy.observe_step(plan.spec_shape, len(plan.generation), full, plain, seconds)
+            context = sum(s.num_tokens for s in plan.generation) / max(len(plan.generation), 1)
+            self.spec_policy.observe_step(plan.spec_shape, len(plan.generation), full, plain, seconds, context)
         if stats:
             stats.on_iteration(len(plan.context), len(plan.generation), plan.spec_shape, len(plan.preempted),
                                seconds)

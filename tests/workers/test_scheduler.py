@@ -94,6 +94,9 @@ def test_speculative_trees_mix_with_plain_steps_within_budgets():
 class _NeverDrafts:
     """A policy that gives a shape up to 1 generation request and lets no request draft."""
 
+    def observe_context(self, context):
+        pass
+
     def shape_for(self, b: int):
         return (1, 1) if b <= 1 else None
 

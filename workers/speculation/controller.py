@@ -19,8 +19,10 @@ The engine asks every iteration, for the number of generation requests ``b``:
   was always easier than the calibration prompts (calibration's acceptance alone never rules a tree
   out). A drafted step after a gap of ``g`` iterations weighs what ``g`` steps would have (at most
   ``probe_weight``), so a few probes move the estimate as far as continuous drafting would.
-- :meth:`SpecController.observe_step`: after a generation-only iteration, its seconds. Step times
-  are the seed table corrected by these live samples (:class:`workers.speculation.step_times.LiveStepCosts`);
+- :meth:`SpecController.observe_step`: after a generation-only iteration, its seconds and mean
+  context. Step times are the seed table corrected by these live samples, read at the context of the
+  iteration being planned (:meth:`SpecController.observe_context`; a tree's step grows with context
+  faster than a plain one's) (:class:`workers.speculation.step_times.LiveStepCosts`);
   a choice with too few samples at the current batch-size bucket, or samples older than
   ``explore_refresh``, runs now and then, within a budget of the generation time
   (:mod:`workers.speculation.exploration`), so neither a seed nor a slow first minute that makes a
@@ -118,6 +120,11 @@ class SpecController:
         self._last_step: tuple[int, object] | None = None  # (iteration, choice) of the last observe_step
 
     # -- replica level ---------------------------------------------------------------------------
+
+    def observe_context(self, context: float | None) -> None:
+        """The mean context tokens per generation request of the iteration about to be planned: step
+        times are read at it (:meth:`workers.speculation.step_times.LiveStepCosts.at_context`)."""
+        self.costs.at_context(context)
 
     @property
     def shapes(self) -> list[Shape]:
@@ -227,9 +234,10 @@ class SpecController:
         self._tau = (shape, (1 - a) * taus[shape] + a * tokens)
 
     def observe_step(self, shape: Shape | None, num_generation: int, num_full_trees: int, num_plain: int,
-                     seconds: float) -> None:
+                     seconds: float, context: float | None = None) -> None:
         """Record one generation-only iteration (no prompt chunk): ``num_generation`` requests, of which
-        ``num_full_trees`` drafted a whole tree of ``shape`` and ``num_plain`` none, in ``seconds``.
+        ``num_full_trees`` drafted a whole tree of ``shape`` and ``num_plain`` none, in ``seconds``,
+        at ``context`` mean context tokens per request (None: unknown).
         Only a clean iteration (all plain, or all full trees) that runs the same choice as the
         iteration just before it is a step-time sample (the first after a switch or a prompt chunk
         pays for the switch); every one counts in the probe budget."""
@@ -242,7 +250,7 @@ class SpecController:
         steady = self._last_step == (self._iteration - 1, choice)
         self._last_step = (self._iteration, choice)
         if steady and (choice is None or choice in self.costs.seed.spec_s):
-            self.costs.observe(num_generation, choice, seconds)
+            self.costs.observe(num_generation, choice, seconds, context)
 
     def stats(self) -> dict:
         """For routing stats and responses: current shape, live tau (None before the first iteration:

@@ -39,6 +39,10 @@ class SpecPolicy(Protocol):
     def shapes(self) -> list[DraftShape]:
         """Every shape it may choose (the KV cache is sized for the largest tree)."""
 
+    def observe_context(self, context: float | None) -> None:
+        """The mean context tokens per generation request of the iteration about to be planned (before
+        :meth:`shape_for`; None: no generation request)."""
+
     def shape_for(self, b: int) -> DraftShape | None: ...
 
     def new_request_state(self) -> object | None: ...
@@ -48,8 +52,9 @@ class SpecPolicy(Protocol):
     def observe(self, state: object | None, shape: DraftShape | None, drafted: bool, accepted: int) -> None: ...
 
     def observe_step(self, shape: DraftShape | None, num_generation: int, num_full_trees: int, num_plain: int,
-                     seconds: float) -> None:
-        """A generation-only iteration's seconds (see ``SpecController.observe_step``)."""
+                     seconds: float, context: float | None = None) -> None:
+        """A generation-only iteration's seconds and mean context tokens per request (see
+        ``SpecController.observe_step``)."""
 
     def stats(self) -> dict:
         """``shape`` (``BxD`` or None) and ``tau`` (tokens per drafted step, or None) for stats."""

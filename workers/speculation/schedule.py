@@ -201,6 +201,9 @@ class TablePolicy:
     def shapes(self) -> list[Shape]:
         return [] if self.table == "off" else [r.shape for r in self.table if r.shape]
 
+    def observe_context(self, context: float | None) -> None:
+        """A table's shape does not depend on the context."""
+
     def shape_for(self, b: int) -> Shape | None:
         self._last_shape = choose_shape(self.table, b)
         self._iterations += 1
@@ -219,7 +222,7 @@ class TablePolicy:
             self._tau = tokens if self._tau is None else (1 - self.ema_alpha) * self._tau + self.ema_alpha * tokens
 
     def observe_step(self, shape: Shape | None, num_generation: int, num_full_trees: int, num_plain: int,
-                     seconds: float) -> None:
+                     seconds: float, context: float | None = None) -> None:
         """A table learns nothing from step times."""
 
     def stats(self) -> dict:

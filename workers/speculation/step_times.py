@@ -19,6 +19,14 @@ up (cold caches, first matmul shapes) or while another process held a core is re
 exploration probe (:mod:`workers.speculation.exploration`, every choice whose newest sample is older
 than the controller's ``explore_refresh``) and then judged by the new samples alone.
 
+A step's cost also grows with the context the batch's requests attend over (on the AMX Xeon a 2x2
+tree step takes ~9.8 ms more per 1,000 context tokens, a plain step ~3.4 ms; BENCHMARKS.md 14), so
+a window mixing long and short requests prices neither. Each sample keeps the mean context of its
+iteration; where a window's samples span enough context (:data:`MIN_CONTEXT_SPREAD`), ``ratio`` is a
+robust line in the context (Theil-Sen: the median of the pairwise slopes, never negative, through
+the median intercept) read at the iteration's context (:meth:`LiveStepCosts.at_context`; held within
+half to twice the contexts sampled), else the median as before.
+
 Buckets are powers of two: 1, 2, 3-4, 5-8, 9-16, ...
 """
 
@@ -30,6 +38,26 @@ from collections import deque
 from workers.speculation.goodput import Shape, StepCosts
 
 Choice = Shape | None  # None: plain decoding
+
+MIN_CONTEXT_SPREAD = 128  # context tokens between a window's extremes before it fits a line in the context
+MIN_PAIR_GAP = 32  # context tokens two samples must differ by for their slope to count
+
+
+def context_line(samples: list[tuple[float, float]]) -> tuple[float, float] | None:
+    """``(intercept, slope)`` of ``ratio = intercept + slope * context`` through ``samples`` of
+    ``(context, ratio)``: Theil-Sen (the median of the slopes of pairs at least :data:`MIN_PAIR_GAP`
+    tokens apart, clamped at 0: more context never makes a step cheaper; the intercept the median of
+    ``ratio - slope * context``), robust to a few slow iterations. None when the contexts span less
+    than :data:`MIN_CONTEXT_SPREAD` tokens or no pair is far enough apart (the caller takes the median)."""
+    contexts = [c for c, _ in samples]
+    if len(samples) < 3 or max(contexts) - min(contexts) < MIN_CONTEXT_SPREAD:
+        return None
+    slopes = [(r1 - r0) / (c1 - c0) for i, (c0, r0) in enumerate(samples) for c1, r1 in samples[i + 1:]
+              if abs(c1 - c0) >= MIN_PAIR_GAP]
+    if not slopes:
+        return None
+    slope = max(0.0, statistics.median(slopes))
+    return statistics.median(r - slope * c for c, r in samples), slope
 
 
 def batch_bucket(b: int) -> int:
@@ -49,7 +77,7 @@ class LiveStepCosts:
     ``t_spec``), so the goodput functions take either. Engine thread only (not thread-safe).
 
     seed: the table the estimates start from (a calibration file, or the start-up measurement).
-    window: samples per (bucket, choice) the moving median runs over.
+    window: samples per (bucket, choice) the moving median (or line in the context) runs over.
     max_age: a sample older than this many samples (of any bucket and choice) leaves its window the
         next time that window is sampled; None: only ``window`` limits it.
 
@@ -66,8 +94,17 @@ class LiveStepCosts:
         self.window = window
         self.max_age = max_age
         self._now = 0  # samples observed so far (the clock ages are counted in)
-        self._samples: dict[tuple[int, Choice], deque[tuple[int, float]]] = {}  # (when, measured / seed)
-        self._ratio: dict[tuple[int, Choice], float] = {}
+        # (when, context tokens or None, measured / seed)
+        self._samples: dict[tuple[int, Choice], deque[tuple[int, float | None, float]]] = {}
+        self._ratio: dict[tuple[int, Choice], float] = {}  # the window's median
+        # the window's line in the context: intercept, slope, and the contexts it is read within
+        self._line: dict[tuple[int, Choice], tuple[float, float, float, float]] = {}
+        self.context: float | None = None  # the context estimates are read at (at_context); None: medians
+
+    def at_context(self, context: float | None) -> None:
+        """Read estimates at ``context`` (mean context tokens per request of the iteration about to
+        be planned) from now on; None: every window's median, whatever the context."""
+        self.context = context
 
     @property
     def shapes(self) -> list[Shape]:
@@ -92,17 +129,20 @@ class LiveStepCosts:
         return self.t(b, shape)
 
     def ratio(self, b: int, choice: Choice) -> float:
-        """measured / seed at ``b``'s bucket for ``choice``: its own samples, else the nearest sampled
-        bucket's (the smaller on a tie), else 1.0 (never sampled)."""
+        """measured / seed at ``b``'s bucket for ``choice`` (at :attr:`context`, where its window fits
+        a line in the context): its own samples, else the nearest sampled bucket's (the smaller on a
+        tie), else 1.0 (never sampled)."""
         bucket = batch_bucket(b)
-        own = self._ratio.get((bucket, choice))
-        if own is not None:
-            return own
-        sampled = [k for k, c in self._ratio if c == choice]
-        if not sampled:
-            return 1.0
-        nearest = min(sampled, key=lambda k: (abs(k.bit_length() - bucket.bit_length()), k))
-        return self._ratio[nearest, choice]
+        if (bucket, choice) not in self._ratio:
+            sampled = [k for k, c in self._ratio if c == choice]
+            if not sampled:
+                return 1.0
+            bucket = min(sampled, key=lambda k: (abs(k.bit_length() - batch_bucket(b).bit_length()), k))
+        line = self._line.get((bucket, choice))
+        if line is None or self.context is None:
+            return self._ratio[bucket, choice]
+        intercept, slope, lo, hi = line  # read within half to twice the contexts sampled
+        return max(intercept + slope * min(max(self.context, lo), hi), 1e-3)
 
     def probe_t(self, b: float, choice: Choice) -> float:
         """What a step of ``choice`` at ``b`` is expected to cost when probed: :meth:`t`, but a choice
@@ -121,9 +161,10 @@ class LiveStepCosts:
         window = self._samples.get((batch_bucket(b), choice))
         return self._now - window[-1][0] if window else None
 
-    def observe(self, b: int, choice: Choice, seconds: float) -> None:
+    def observe(self, b: int, choice: Choice, seconds: float, context: float | None = None) -> None:
         """One clean generation-only iteration: ``b`` requests, all plain (``choice`` None) or all
-        drafting with ``choice``, took ``seconds``.
+        drafting with ``choice``, took ``seconds``; ``context``: its mean context tokens per request
+        (None: unknown; a window holding such a sample keeps its median).
 
         Raises:
             ValueError: ``b < 1``, ``seconds`` not > 0, or a shape the seed does not time.
@@ -135,10 +176,16 @@ class LiveStepCosts:
         key = (batch_bucket(b), choice)
         self._now += 1
         window = self._samples.setdefault(key, deque(maxlen=self.window))
-        window.append((self._now, seconds / self.seed_t(b, choice)))
+        window.append((self._now, context, seconds / self.seed_t(b, choice)))
         while self.max_age is not None and self._now - window[0][0] > self.max_age:
             window.popleft()  # never the sample just added
-        self._ratio[key] = statistics.median(r for _, r in window)
+        self._ratio[key] = statistics.median(r for _, _, r in window)
+        line = None if any(c is None for _, c, _ in window) else context_line([(c, r) for _, c, r in window])
+        if line is None:
+            self._line.pop(key, None)
+        else:
+            contexts = [c for _, c, _ in window]
+            self._line[key] = (*line, min(contexts) / 2, max(contexts) * 2)
 
     def reseed(self, seed: StepCosts) -> None:
         """Start over from ``seed`` (a fresh measurement): live samples so far are dropped, since their
@@ -146,3 +193,4 @@ class LiveStepCosts:
         self.seed = seed
         self._samples.clear()
         self._ratio.clear()
+        self._line.clear()

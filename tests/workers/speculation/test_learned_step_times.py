@@ -172,3 +172,39 @@ def test_the_first_step_after_a_switch_does_not_price_a_choice():
     assert controller.current in right, (controller.current, right)
     assert settled_after(controller, right) <= BOUND
     assert controller.costs.t(b, controller.current) == pytest.approx(TRUE.t_spec(b, controller.current), rel=0.02)
+
+
+def test_the_choice_follows_the_context_of_the_traffic():
+    """A tree step grows with context faster than a plain step (tree rows attend too): on the AMX
+    Xeon ~9.8 ms per 1,000 context tokens against ~3.4 ms (BENCHMARKS.md 14). With traffic that
+    alternates between short and long requests, a window mixing both would price neither; read at the
+    context of the iteration, the replica drafts the 1x2 tree where it pays (100 tokens of context:
+    ~13% more tokens/s than plain) and decodes plain where it does not (1,500 tokens: plain ~18%
+    ahead). Before step times were read by context, the tree's samples from long requests kept it
+    plain through the short phases (and the reverse)."""
+    tree = (1, 2)
+
+    def true_s(choice, ctx):
+        return 0.005 + 3.4e-6 * ctx if choice is None else 0.008 + 9.8e-6 * ctx
+
+    seed = StepCosts(plain_s={1: true_s(None, 100)}, spec_s={tree: {1: true_s(tree, 100)}},
+                     tokens_per_step={tree: 1.9})
+    controller = SpecController(seed)
+    state = controller.new_request_state()
+    carry, wrong = 0.0, {100: 0, 1500: 0}
+    for cycle in range(6):
+        for ctx, right in ((100, tree), (1500, None)):
+            for i in range(400):
+                controller.observe_context(ctx)
+                shape = controller.shape_for(1)
+                drafts = shape is not None and controller.drafts(state, 1, shape)
+                accepted = 0
+                if drafts:
+                    carry += 0.9
+                    accepted, carry = int(carry), carry - int(carry)
+                controller.observe(state, shape, drafts, accepted)
+                controller.observe_step(shape, 1, int(drafts), int(not drafts), true_s(shape if drafts else None, ctx),
+                                        ctx)
+                if cycle >= 2 and i >= 50:  # after the first cycles, and a phase's first 50 iterations
+                    wrong[ctx] += controller.current != right
+    assert wrong[100] <= 0.05 * 4 * 350 and wrong[1500] <= 0.05 * 4 * 350, wrong

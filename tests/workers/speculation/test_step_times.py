@@ -67,3 +67,47 @@ def test_a_probe_of_a_choice_never_sampled_expects_the_scale_seen_elsewhere():
     assert live.probe_t(1, (2, 2)) == pytest.approx(0.002)
     assert live.t(1, (2, 2)) == 0.020  # decisions do not assume it
     assert live.probe_t(1, None) == pytest.approx(0.001)
+
+
+def test_samples_over_contexts_are_read_at_the_context_of_the_step():
+    """A step's cost grows with the context its requests attend over: samples spread over contexts
+    give a line in the context (robust to a slow iteration), read at the context of the iteration
+    being planned; without a context the window's median stands."""
+    costs = LiveStepCosts(SEED, window=16)
+    for i, ctx in enumerate(range(100, 1600, 100)):
+        costs.observe(1, (2, 2), SEED.t_spec(1, (2, 2)) * (1.0 + ctx / 1000) * (3.0 if i == 5 else 1.0), context=ctx)
+    costs.at_context(100)
+    assert costs.t_spec(1, (2, 2)) == pytest.approx(SEED.t_spec(1, (2, 2)) * 1.1, rel=0.02)
+    costs.at_context(1500)
+    assert costs.t_spec(1, (2, 2)) == pytest.approx(SEED.t_spec(1, (2, 2)) * 2.5, rel=0.02)
+    costs.at_context(None)
+    assert costs.t_spec(1, (2, 2)) == pytest.approx(SEED.t_spec(1, (2, 2)) * 1.9)  # the median
+    assert costs.t_plain(1) == SEED.t_plain(1)  # another choice: still the seed
+
+
+def test_contexts_too_close_or_falling_costs_keep_the_median():
+    close = LiveStepCosts(SEED, window=16)
+    for ctx, ratio in ((400, 1.0), (450, 1.2), (420, 1.4)):  # 50 tokens apart: no line
+        close.observe(1, None, SEED.t_plain(1) * ratio, context=ctx)
+    close.at_context(2000)
+    assert close.t_plain(1) == pytest.approx(SEED.t_plain(1) * 1.2)
+    falling = LiveStepCosts(SEED, window=16)
+    for ctx, ratio in ((100, 2.0), (600, 1.5), (1100, 1.0)):  # cheaper with more context: noise, not a slope
+        falling.observe(1, None, SEED.t_plain(1) * ratio, context=ctx)
+    falling.at_context(5000)
+    assert falling.t_plain(1) == pytest.approx(SEED.t_plain(1) * 1.5)
+    unknown = LiveStepCosts(SEED, window=16)  # a sample without a context: the window keeps its median
+    for ctx, ratio in ((100, 1.0), (600, 1.5), (None, 1.2), (1100, 2.0)):
+        unknown.observe(1, None, SEED.t_plain(1) * ratio, context=ctx)
+    unknown.at_context(1100)
+    assert unknown.t_plain(1) == pytest.approx(SEED.t_plain(1) * 1.35)
+
+
+def test_a_line_is_not_read_far_beyond_the_contexts_sampled():
+    costs = LiveStepCosts(SEED, window=16)
+    for ctx in (200, 300, 400):
+        costs.observe(1, None, SEED.t_plain(1) * (1.0 + ctx / 100), context=ctx)
+    costs.at_context(100_000)  # held at twice the longest context sampled (800): ratio 9, not 1,001
+    assert costs.t_plain(1) == pytest.approx(SEED.t_plain(1) * 9.0)
+    costs.at_context(1)  # and at half the shortest (100): ratio 2
+    assert costs.t_plain(1) == pytest.approx(SEED.t_plain(1) * 2.0)
