@@ -100,10 +100,14 @@ def baseline_kernel(rev: str, isa: str):
     for path in (*build.SOURCES, *build.HEADERS):
         (tmp / path.name).write_text(path.read_text())
     for name in ("decode_attention.c", "simd.h"):
-        got = subprocess.run(["git", "show", f"{rev}:workers/kernels/{name}"], capture_output=True, text=True)
+        got = subprocess.run(["git", "show", f"{rev}:workers/kernels/{name}"], capture_output=True, text=True,
+                             cwd=Path(__file__).resolve().parent)
         if got.returncode:
             raise SystemExit(f"--baseline {rev}: cannot read workers/kernels/{name}: {got.stderr.strip()}")
         (tmp / name).write_text(got.stdout)
+    if "kv_half" not in (tmp / "decode_attention.c").read_text():
+        raise SystemExit(f"--baseline {rev}: that kernel predates float16 caches (no kv_half argument); "
+                         "compare with --kv-dtypes float32 against a revision at or after 70a9db7")
     lib = tmp / "baseline.so"
     cmd = [*build._compiler(), *build.FLAGS, *build.ISA_FLAGS[isa], *(str(tmp / p.name) for p in build.SOURCES),
            "-o", str(lib)]
