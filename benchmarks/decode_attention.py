@@ -107,7 +107,7 @@ def baseline_kernel(rev: str, isa: str):
         (tmp / name).write_text(got.stdout)
     if "kv_half" not in (tmp / "decode_attention.c").read_text():
         raise SystemExit(f"--baseline {rev}: that kernel predates float16 caches (no kv_half argument); "
-                         "compare with --kv-dtypes float32 against a revision at or after 70a9db7")
+                         "give a revision at or after 70a9db7")
     lib = tmp / "baseline.so"
     cmd = [*build._compiler(), *build.FLAGS, *build.ISA_FLAGS[isa], *(str(tmp / p.name) for p in build.SOURCES),
            "-o", str(lib)]

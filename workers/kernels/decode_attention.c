@@ -7,7 +7,8 @@
  * 2017, arXiv 1706.03762 Sec. 3.2.1; G = n_heads / n_kv query heads share a key/value head,
  * Ainslie et al. 2023, arXiv 2305.13245). Keys and values are read in place from the cache
  * ``[slots, n_kv, D]`` through each request's slot list (or one contiguous run of slots), never
- * gathered; masked keys are skipped, not read.
+ * gathered; a masked key counts for nothing (it is read only when it shares a block of 8 keys with
+ * a visible one, so every slot must lie in the cache: decode_attention.plan checks them).
  *
  * The cache holds float32 or IEEE binary16 (``kv_half``: a float16 KV cache, half the bytes a
  * step reads); halves are widened exactly before the same float32 arithmetic.
@@ -18,8 +19,9 @@
  * keys' scores together (each key loaded, and widened from binary16, once for them), and blocks of
  * up to 6 rows (AVX-512; 4 on AVX2) weigh the values of the keys they all see together (each value
  * loaded once for the block, no mask checks); keys after a row's last visible key are not touched.
- * On the default model's heads this made a 7-row tree's attention 1.4-1.6x and a 64-row prompt
- * chunk's 1.25x faster than row-by-row, in the same bits (benchmarks/decode_attention.py).
+ * On the default model's heads (AMX Xeon) this made a 7-row tree's attention 1.4-1.7x and a 64-row
+ * prompt chunk's 1.25x faster than row by row, in the same bits (benchmarks/decode_attention.py
+ * --baseline).
  *
  * Rounding: each score is one 16-lane dot product (simd.h's v16, the same order on both builds);
  * exp is a fixed polynomial evaluated lane by lane; the weights and the weighted sum of values are
@@ -146,13 +148,7 @@ ALWAYS_INLINE void weigh_values(const args_t *a, const uint8_t *mask, const int6
         for (int c = 0; c < NC; c++) acc[r][c] = v16_zero();
     }
     const float *srow = s + t0 * a->Lp;
-    for (long j = 0; j < run && RB == 1; j++) { /* one row: each value read where it is used */
-        const char *v = row_of(a, a->vc, slots, j, kvh, d0);
-        float p = srow[j];
-        sum[0] += p;
-        for (int c = 0; c < NC; c++) acc[0][c] = axpy_kv(p, v, c, half, acc[0][c]);
-    }
-    for (long j = 0; j < run && RB > 1; j++) {
+    for (long j = 0; j < run; j++) {
         const char *v = row_of(a, a->vc, slots, j, kvh, d0);
         v16 x[4];
         for (int c = 0; c < NC; c++)
@@ -203,14 +199,15 @@ ALWAYS_INLINE void weigh_rows(const args_t *a, const uint8_t *mask, const int64_
     }
 }
 
-/* The scores of T > 1 rows (a draft tree, a prompt chunk) for keys 0 .. hi_all - 1: rows that all
- * see an 8-key block take it together (score_block_rows), others row by row; blocks past a row's
- * last visible key are skipped (never read). Kept out of head: inlined there, it slowed the one-row
- * loop of batch-16 plain steps by ~10%. */
+/* The scores of T > 1 rows (a draft tree, a prompt chunk): rows that all see an 8-key block take it
+ * together (score_block_rows), others row by row; blocks past a row's last visible key are skipped
+ * (never read). Kept out of head: inlined there, it slowed the one-row loop of batch-16 plain steps
+ * by ~10%. */
 static __attribute__((noinline)) void score_rows(const args_t *a, const uint8_t *mask, const int64_t *slots,
-                                                 const float *q, const extent_t *ext, long kvh, float *s, long hi_all,
-                                                 int half) {
+                                                 const float *q, const extent_t *ext, long kvh, float *s, int half) {
     const long T = a->T, L = a->L, Lp = a->Lp;
+    long hi_all = 0;
+    for (long t = 0; t < T; t++) hi_all = ext[t].hi > hi_all ? ext[t].hi : hi_all;
     for (long j0 = 0; j0 < hi_all; j0 += 8) {
         long n = L - j0 < 8 ? L - j0 : 8;
         const char *keys[8];
@@ -272,8 +269,6 @@ ALWAYS_INLINE int head(const args_t *a, long b, long h, float *s, int half) {
     extent_t one; /* a single row: no per-thread buffer */
     const extent_t *ext = T == 1 ? (extents(mask, 1, L, &one), &one) : row_extents(a, mask);
     if (!ext) return -1;
-    long hi_all = 0;
-    for (long t = 0; t < T; t++) hi_all = ext[t].hi > hi_all ? ext[t].hi : hi_all;
     if (T == 1) /* a plain step; this loop's form measured ~10% faster at batch 16 than variants */
         for (long j0 = 0; j0 < L; j0 += 8) {
             long n = L - j0 < 8 ? L - j0 : 8;
@@ -282,9 +277,9 @@ ALWAYS_INLINE int head(const args_t *a, long b, long h, float *s, int half) {
             score_row(a, q, keys, n, mask + j0, s + j0, half);
         }
     else
-        score_rows(a, mask, slots, q, ext, kvh, s, hi_all, half);
+        score_rows(a, mask, slots, q, ext, kvh, s, half);
     for (long t = 0; t < T; t++) {
-        /* the scores up to hi rounded up to 16: masked ones are -inf, and later ones are never read */
+        /* the scores up to hi rounded up to the vector width: masked ones are -inf, later ones never read */
         long hp = (ext[t].hi + VL - 1) / VL * VL;
         float *st = s + t * Lp, lanes[VL], m = -INFINITY;
         for (long j = ext[t].hi; j < hp; j++) st[j] = -INFINITY;
