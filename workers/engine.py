@@ -311,7 +311,8 @@ class Engine:
             full = sum(1 for n in limits.values() if full_depth and n >= full_depth)
             plain = sum(1 for n in limits.values() if n == 0)
             context = sum(s.num_tokens for s in plan.generation) / max(len(plan.generation), 1)
-            self.spec_policy.observe_step(plan.spec_shape, len(plan.generation), full, plain, seconds, context)
+            rows = sum(r.num_rows for r in results if r.generation_step)
+            self.spec_policy.observe_step(plan.spec_shape, len(plan.generation), full, plain, seconds, context, rows)
         if stats:
             stats.on_iteration(len(plan.context), len(plan.generation), plan.spec_shape, len(plan.preempted),
                                seconds)

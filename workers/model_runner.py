@@ -46,6 +46,7 @@ class StepResult:
     accepted_draft_tokens: how many of ``tokens`` were drafted.
     generation_step: True for a generation-phase step (counts towards tokens per step).
     draft_depth: the draft tree's depth (its longest beam's drafted tokens); 0 for a plain step.
+    num_rows: rows the base model verified for it (the tree's nodes; 1 for a plain step).
     grammar_rejected: the request's grammar forbade every drafted child of the accepted path's last
         node (the grammar, not the base model, ended acceptance).
     token_logits: ``[len(tokens), V]`` raw logits of the rows that chose ``tokens`` (row k predicts
@@ -64,6 +65,7 @@ class StepResult:
     prompt_logits: torch.Tensor | None = None
     prompt_start: int = 0
     grammar_rejected: bool = False
+    num_rows: int = 1
 
 
 @dataclass
@@ -196,7 +198,7 @@ class ModelRunner:
                 allowed = grammar_rows[0][path[-1]]
                 forbidden = not any(bool(allowed[t]) for t in row.tree.tokens[row.tree.children[path[-1]]].tolist())
             results.append(StepResult(seq, drafted + [bonus], len(drafted), True, depth, token_logits=kept,
-                                      grammar_rejected=forbidden))
+                                      grammar_rejected=forbidden, num_rows=row.num_nodes))
         if copies_src:
             self.executor.copy_slots(torch.cat(copies_src).to(self.device), torch.cat(copies_dst).to(self.device))
         return results

@@ -17,8 +17,11 @@ The engine asks every iteration, for the number of generation requests ``b``:
   iterations) once in ``probe_interval * patience`` with the shape that would pay most if the traffic
   accepted at least what calibration did, so its estimate follows traffic that became easier, or that
   was always easier than the calibration prompts (calibration's acceptance alone never rules a tree
-  out). A drafted step after a gap of ``g`` iterations weighs what ``g`` steps would have (at most
-  ``probe_weight``), so a few probes move the estimate as far as continuous drafting would.
+  out). Such a probe after a gap of ``g`` iterations weighs what ``g`` steps would have (at most
+  ``probe_weight``), so a few probes move the estimate as far as continuous drafting would. A
+  request's own probe (it decodes plain on its own estimate while the replica speculates) weighs
+  ``ema_alpha`` like any drafted step: weighed as a replica probe, two probes of one request that
+  accepted nothing took the AMX Xeon's replica plain, and the next request began plain.
 - :meth:`SpecController.observe_step`: after a generation-only iteration, its seconds and mean
   context. Step times are the seed table corrected by these live samples, read at the context of the
   iteration being planned (:meth:`SpecController.observe_context`; a tree's step grows with context
@@ -62,8 +65,8 @@ class ControllerSettings:
     explore_budget: ...while probes take at most this fraction of the generation time (0: never).
     explore_refresh: a choice whose newest sample at the bucket is older than this many samples is
         probed again; samples older than twice this leave the median once it is re-sampled.
-    probe_weight: the most one drafted step after a gap (a probe of a replica held plain) weighs in
-        the replica's tokens-per-step average.
+    probe_weight: the most one probe of a replica held plain weighs in the replica's tokens-per-step
+        average (after a gap of plain iterations).
     """
 
     margin: float = 0.05
@@ -228,16 +231,18 @@ class SpecController:
         a = self.settings.ema_alpha  # a new shape starts from the estimate carried over to it
         # iterations since the last drafted step (0: the same one; the first drafted step has no gap)
         gap = 1 if self._last_drafted is None else self._iteration - self._last_drafted
-        if gap > 1:  # a probe after plain iterations weighs what the steps in between would have
+        if gap > 1 and self.probing:  # a replica probe after plain iterations weighs what the steps in between would have
             a = max(a, min(self.settings.probe_weight, 1.0 - (1.0 - a) ** gap))
         self._last_drafted = self._iteration
         self._tau = (shape, (1 - a) * taus[shape] + a * tokens)
 
     def observe_step(self, shape: Shape | None, num_generation: int, num_full_trees: int, num_plain: int,
-                     seconds: float, context: float | None = None) -> None:
+                     seconds: float, context: float | None = None, rows: int | None = None) -> None:
         """Record one generation-only iteration (no prompt chunk): ``num_generation`` requests, of which
         ``num_full_trees`` drafted a whole tree of ``shape`` and ``num_plain`` none, in ``seconds``,
-        at ``context`` mean context tokens per request (None: unknown).
+        at ``context`` mean context tokens per request (None: unknown), verifying ``rows`` tree rows
+        in all (None: unknown; a prompt-lookup beam adds rows to a shape's tree, see
+        :class:`workers.speculation.step_times.LiveStepCosts`).
         Only a clean iteration (all plain, or all full trees) that runs the same choice as the
         iteration just before it is a step-time sample (the first after a switch or a prompt chunk
         pays for the switch); every one counts in the probe budget."""
@@ -250,7 +255,7 @@ class SpecController:
         steady = self._last_step == (self._iteration - 1, choice)
         self._last_step = (self._iteration, choice)
         if steady and (choice is None or choice in self.costs.seed.spec_s):
-            self.costs.observe(num_generation, choice, seconds, context)
+            self.costs.observe(num_generation, choice, seconds, context, rows if choice is not None else None)
 
     def stats(self) -> dict:
         """For routing stats and responses: current shape, live tau (None before the first iteration:

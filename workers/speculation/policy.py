@@ -52,9 +52,9 @@ class SpecPolicy(Protocol):
     def observe(self, state: object | None, shape: DraftShape | None, drafted: bool, accepted: int) -> None: ...
 
     def observe_step(self, shape: DraftShape | None, num_generation: int, num_full_trees: int, num_plain: int,
-                     seconds: float, context: float | None = None) -> None:
-        """A generation-only iteration's seconds and mean context tokens per request (see
-        ``SpecController.observe_step``)."""
+                     seconds: float, context: float | None = None, rows: int | None = None) -> None:
+        """A generation-only iteration's seconds, mean context tokens per request and tree rows
+        verified (see ``SpecController.observe_step``)."""
 
     def stats(self) -> dict:
         """``shape`` (``BxD`` or None) and ``tau`` (tokens per drafted step, or None) for stats."""

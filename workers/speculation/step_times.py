@@ -19,13 +19,40 @@ up (cold caches, first matmul shapes) or while another process held a core is re
 exploration probe (:mod:`workers.speculation.exploration`, every choice whose newest sample is older
 than the controller's ``explore_refresh``) and then judged by the new samples alone.
 
-A step's cost also grows with the context the batch's requests attend over (on the AMX Xeon a 2x2
-tree step takes ~9.8 ms more per 1,000 context tokens, a plain step ~3.4 ms; BENCHMARKS.md 14), so
-a window mixing long and short requests prices neither. Each sample keeps the mean context of its
-iteration; where a window's samples span enough context (:data:`MIN_CONTEXT_SPREAD`), ``ratio`` is a
-robust line in the context (Theil-Sen: the median of the pairwise slopes, never negative, through
-the median intercept) read at the iteration's context (:meth:`LiveStepCosts.at_context`; held within
-half to twice the contexts sampled), else the median as before.
+A step's cost also grows with the context the batch's requests attend over, so a window mixing
+long and short requests prices neither, and a window sampled only at long context misprices short
+ones. Each sample keeps the mean context of its iteration, and the context enters two ways:
+
+- A window whose samples span :data:`MIN_CONTEXT_SPREAD` tokens, with :data:`MIN_END_SAMPLES` in each
+  half of the span, fits its own line in the context (Theil-Sen: the median of the pairwise slopes,
+  never negative, through the median intercept), read at the iteration's context
+  (:meth:`LiveStepCosts.at_context`) held within the contexts it sampled. This prices a choice whose
+  cost grows with context faster than another's.
+- Any other window is read through one relative slope shared by every window,
+  ``ratio = level * (1 + k * context)`` (:func:`relative_slope`, refitted every
+  :data:`REFIT_EVERY` samples; 0 until :data:`MIN_SLOPE_PAIRS` pairs): its level is the median of
+  its samples brought to no context, read at the iteration's context. The slope is fitted on a
+  longer history than the windows (a window of 16 batch-1 steps spans 16 tokens of one request): per
+  (bucket, choice), the newest :data:`BIN_SAMPLES` samples of each :data:`CONTEXT_BIN`-token range of
+  context, each range summarized by its medians, pairs taken between ranges of one (bucket, choice). Measured on the AMX Xeon with the broad dev prompts at batch 1, the relative growth is
+  nearly the same for plain steps and 1x2 trees (0.6-0.8 per 1,000 tokens: plain 4.1 -> 5.4 ms,
+  a 3-row tree 7.4 -> 9.7 ms, a 7-row tree 9.6 -> 13.5 ms from 150 to 650 tokens), so plain
+  traffic at every context teaches how a tree timed only at 550 tokens costs at 100.
+
+One tree step timed at 480 tokens among fifteen at 170-190 once made a window's own line that priced
+a 1x2 step at 480+ tokens 2.5x its cost (a tree's step also varies with the rows its prompt-lookup
+beam adds, which one sample cannot tell from context): hence the samples required at each end.
+
+A shape's step also costs more when a prompt-lookup beam (:mod:`workers.redrafter.prompt_lookup`)
+finds a match and adds its rows to the tree: on the AMX Xeon at batch 1 a 1x2 step verifying 3
+rows took 6.75 ms, with 4 more lookup rows 9.2 ms (median of 548 and 206 steps). A window filled
+during a request that copies from its prompt would price the shape for the next request, which may
+copy nothing, 1.4x too high. So a tree sample is divided by the seed's time for the rows it
+actually verified: the shape's own ``1 + num_beams * draft_len_per_beam`` rows plus the extra rows,
+each priced at the seed's cost of a row at that batch size (:meth:`LiveStepCosts.row_s`: the slope
+of the seed's step times against the shapes' rows), and the estimate for a shape prices in the
+extra rows per request that recent trees carried (:attr:`LiveStepCosts.extra_rows`, a moving
+average of weight :data:`EXTRA_ROWS_ALPHA`), as tokens per step count what the lookup beam accepts.
 
 Buckets are powers of two: 1, 2, 3-4, 5-8, 9-16, ...
 """
@@ -41,6 +68,19 @@ Choice = Shape | None  # None: plain decoding
 
 MIN_CONTEXT_SPREAD = 128  # context tokens between a window's extremes before it fits a line in the context
 MIN_PAIR_GAP = 32  # context tokens two samples must differ by for their slope to count
+MIN_END_SAMPLES = 3  # samples a line needs in each half of the contexts it spans
+MIN_SLOPE_PAIRS = 8  # pairs of samples (MIN_PAIR_GAP apart) before the shared relative slope is used
+MAX_RELATIVE_SLOPE = 0.01  # per context token: a step at most doubling every 100 tokens
+REFIT_EVERY = 32  # samples between refits of the shared relative slope
+CONTEXT_BIN = 64  # context tokens per range of the slope's history
+BIN_SAMPLES = 8  # samples kept per range
+EXTRA_ROWS_ALPHA = 0.02  # weight of the newest tree sample in the moving average of extra rows per request
+
+
+def nominal_rows(shape: Shape) -> int:
+    """Rows a tree of ``shape`` verifies without a prompt-lookup beam: the root and every beam's
+    drafted tokens (ReDrafter's beams share only the root after distinct first tokens)."""
+    return 1 + shape[0] * shape[1]
 
 
 def context_line(samples: list[tuple[float, float]]) -> tuple[float, float] | None:
@@ -48,9 +88,15 @@ def context_line(samples: list[tuple[float, float]]) -> tuple[float, float] | No
     ``(context, ratio)``: Theil-Sen (the median of the slopes of pairs at least :data:`MIN_PAIR_GAP`
     tokens apart, clamped at 0: more context never makes a step cheaper; the intercept the median of
     ``ratio - slope * context``), robust to a few slow iterations. None when the contexts span less
-    than :data:`MIN_CONTEXT_SPREAD` tokens or no pair is far enough apart (the caller takes the median)."""
+    than :data:`MIN_CONTEXT_SPREAD` tokens, either half of the span holds fewer than
+    :data:`MIN_END_SAMPLES` samples, or no pair is far enough apart (the caller takes the median)."""
     contexts = [c for c, _ in samples]
-    if len(samples) < 3 or max(contexts) - min(contexts) < MIN_CONTEXT_SPREAD:
+    lo, hi = (min(contexts), max(contexts)) if contexts else (0, 0)
+    if hi - lo < MIN_CONTEXT_SPREAD:
+        return None
+    middle = (lo + hi) / 2
+    below = sum(1 for c in contexts if c < middle)
+    if min(below, len(contexts) - below) < MIN_END_SAMPLES:
         return None
     slopes = [(r1 - r0) / (c1 - c0) for i, (c0, r0) in enumerate(samples) for c1, r1 in samples[i + 1:]
               if abs(c1 - c0) >= MIN_PAIR_GAP]
@@ -58,6 +104,24 @@ def context_line(samples: list[tuple[float, float]]) -> tuple[float, float] | No
         return None
     slope = max(0.0, statistics.median(slopes))
     return statistics.median(r - slope * c for c, r in samples), slope
+
+
+def relative_slope(windows) -> float | None:
+    """``k`` of ``ratio = level * (1 + k * context)`` shared by ``windows`` (each a list of
+    ``(context, ratio)`` points, one list per (bucket, choice): their levels differ, ``k`` is common): the median
+    over pairs of samples of one window at least :data:`MIN_PAIR_GAP` tokens apart of
+    ``(r1 - r0) / (r0 * c1 - r1 * c0)``, clamped to ``[0, MAX_RELATIVE_SLOPE]``. None with fewer than
+    :data:`MIN_SLOPE_PAIRS` pairs."""
+    slopes = []
+    for samples in windows:
+        for i, (c0, r0) in enumerate(samples):
+            for c1, r1 in samples[i + 1:]:
+                den = r0 * c1 - r1 * c0
+                if abs(c1 - c0) >= MIN_PAIR_GAP and den != 0:
+                    slopes.append((r1 - r0) / den)
+    if len(slopes) < MIN_SLOPE_PAIRS:
+        return None
+    return min(max(statistics.median(slopes), 0.0), MAX_RELATIVE_SLOPE)
 
 
 def batch_bucket(b: int) -> int:
@@ -100,6 +164,13 @@ class LiveStepCosts:
         # the window's line in the context: intercept, slope, and the contexts it is read within
         self._line: dict[tuple[int, Choice], tuple[float, float, float, float]] = {}
         self.context: float | None = None  # the context estimates are read at (at_context); None: medians
+        self._k: float | None = None  # the shared relative slope (relative_slope); None: not yet fitted
+        self._level: dict[tuple[int, Choice], float] = {}  # a window's median ratio brought to no context
+        self._max_context = 0.0  # the longest context any sample had (the shared slope is read up to it)
+        # the shared slope's history: (bucket, choice) -> context range -> newest (context, ratio) samples
+        self._bins: dict[tuple[int, Choice], dict[int, deque[tuple[float, float]]]] = {}
+        self.extra_rows = 0.0  # rows per request beyond the shape's own, moving average over tree samples
+        self._row_s: dict[int, float] = {}  # batch size -> the seed's seconds per tree row
 
     def at_context(self, context: float | None) -> None:
         """Read estimates at ``context`` (mean context tokens per request of the iteration about to
@@ -118,9 +189,30 @@ class LiveStepCosts:
         """The seed's seconds per step at ``b`` for ``choice``."""
         return self.seed.t_plain(b) if choice is None else self.seed.t_spec(b, choice)
 
+    def row_s(self, b: float) -> float:
+        """The seed's seconds per extra tree row at ``b``: the least-squares slope of its step times
+        over the shapes' :func:`nominal_rows` (>= 0; 0 with fewer than two shapes of distinct rows)."""
+        key = max(1, round(b))
+        if key not in self._row_s:
+            points = [(nominal_rows(s), self.seed.t_spec(key, s)) for s in self.seed.spec_s]
+            mean_x = sum(x for x, _ in points) / len(points)
+            mean_y = sum(y for _, y in points) / len(points)
+            var = sum((x - mean_x) ** 2 for x, _ in points)
+            slope = sum((x - mean_x) * (y - mean_y) for x, y in points) / var if var else 0.0
+            self._row_s[key] = max(slope, 0.0)
+        return self._row_s[key]
+
+    def _tree_seed_t(self, b: float, shape: Shape, extra: float) -> float:
+        """The seed's seconds for a step of ``shape`` whose trees carry ``extra`` rows per request
+        beyond the shape's own (never below half the shape's own time)."""
+        seed = self.seed.t_spec(b, shape)
+        return max(seed + extra * b * self.row_s(b), 0.5 * seed)
+
     def t(self, b: float, choice: Choice) -> float:
-        """Estimated seconds per step at ``b`` for ``choice`` (None: plain)."""
-        return self.seed_t(b, choice) * self.ratio(max(1, round(b)), choice)
+        """Estimated seconds per step at ``b`` for ``choice`` (None: plain); a shape's with the extra
+        rows per request recent trees carried (:attr:`extra_rows`)."""
+        seed = self.seed_t(b, choice) if choice is None else self._tree_seed_t(b, choice, self.extra_rows)
+        return seed * self.ratio(max(1, round(b)), choice)
 
     def t_plain(self, b: float) -> float:
         return self.t(b, None)
@@ -138,11 +230,21 @@ class LiveStepCosts:
             if not sampled:
                 return 1.0
             bucket = min(sampled, key=lambda k: (abs(k.bit_length() - batch_bucket(b).bit_length()), k))
-        line = self._line.get((bucket, choice))
-        if line is None or self.context is None:
-            return self._ratio[bucket, choice]
-        intercept, slope, lo, hi = line  # read within half to twice the contexts sampled
-        return max(intercept + slope * min(max(self.context, lo), hi), 1e-3)
+        key = (bucket, choice)
+        if self.context is None:
+            return self._ratio[key]
+        line = self._line.get(key)
+        if line is not None:  # the window's own line, read within the contexts it sampled
+            intercept, slope, lo, hi = line
+            return max(intercept + slope * min(max(self.context, lo), hi), 1e-3)
+        if self._k and key in self._level:  # the shared relative slope, read up to the longest context seen
+            return self._level[key] * (1.0 + self._k * min(max(self.context, 0.0), self._max_context))
+        return self._ratio[key]
+
+    @property
+    def relative_slope(self) -> float:
+        """The shared relative growth of a step's cost per context token (0 until fitted)."""
+        return self._k or 0.0
 
     def probe_t(self, b: float, choice: Choice) -> float:
         """What a step of ``choice`` at ``b`` is expected to cost when probed: :meth:`t`, but a choice
@@ -161,10 +263,12 @@ class LiveStepCosts:
         window = self._samples.get((batch_bucket(b), choice))
         return self._now - window[-1][0] if window else None
 
-    def observe(self, b: int, choice: Choice, seconds: float, context: float | None = None) -> None:
+    def observe(self, b: int, choice: Choice, seconds: float, context: float | None = None,
+                rows: int | None = None) -> None:
         """One clean generation-only iteration: ``b`` requests, all plain (``choice`` None) or all
         drafting with ``choice``, took ``seconds``; ``context``: its mean context tokens per request
-        (None: unknown; a window holding such a sample keeps its median).
+        (None: unknown; a window holding such a sample keeps its median); ``rows``: tree rows it
+        verified in all (None: the shape's own, :func:`nominal_rows` per request).
 
         Raises:
             ValueError: ``b < 1``, ``seconds`` not > 0, or a shape the seed does not time.
@@ -175,17 +279,43 @@ class LiveStepCosts:
             raise ValueError(f"shape {choice} is not in the step-cost table")
         key = (batch_bucket(b), choice)
         self._now += 1
+        base = self.seed_t(b, choice)
+        if choice is not None and rows is not None:
+            extra = rows / b - nominal_rows(choice)
+            self.extra_rows += EXTRA_ROWS_ALPHA * (extra - self.extra_rows)
+            base = self._tree_seed_t(b, choice, extra)
+        ratio = seconds / base
         window = self._samples.setdefault(key, deque(maxlen=self.window))
-        window.append((self._now, context, seconds / self.seed_t(b, choice)))
+        window.append((self._now, context, ratio))
         while self.max_age is not None and self._now - window[0][0] > self.max_age:
             window.popleft()  # never the sample just added
         self._ratio[key] = statistics.median(r for _, _, r in window)
+        if context is not None:
+            self._max_context = max(self._max_context, context)
+            bins = self._bins.setdefault(key, {})
+            bins.setdefault(int(context // CONTEXT_BIN), deque(maxlen=BIN_SAMPLES)).append((context, ratio))
+        if self._now % REFIT_EVERY == 0:
+            self._k = relative_slope([[(statistics.median(c for c, _ in q), statistics.median(r for _, r in q))
+                                       for q in bins.values()] for bins in self._bins.values()])
+            for other in self._samples:
+                self._set_level(other)
+        else:
+            self._set_level(key)
         line = None if any(c is None for _, c, _ in window) else context_line([(c, r) for _, c, r in window])
         if line is None:
             self._line.pop(key, None)
         else:
             contexts = [c for _, c, _ in window]
-            self._line[key] = (*line, min(contexts) / 2, max(contexts) * 2)
+            self._line[key] = (*line, min(contexts), max(contexts))
+
+    def _set_level(self, key: tuple[int, Choice]) -> None:
+        """The window's level under the shared slope (none while the slope is unfitted, or when a
+        sample of the window has no context)."""
+        window = self._samples[key]
+        if not self._k or any(c is None for _, c, _ in window):
+            self._level.pop(key, None)
+            return
+        self._level[key] = statistics.median(r / (1.0 + self._k * c) for _, c, r in window)
 
     def reseed(self, seed: StepCosts) -> None:
         """Start over from ``seed`` (a fresh measurement): live samples so far are dropped, since their
@@ -194,3 +324,8 @@ class LiveStepCosts:
         self._samples.clear()
         self._ratio.clear()
         self._line.clear()
+        self._level.clear()
+        self._k, self._max_context = None, 0.0
+        self._bins.clear()
+        self._row_s.clear()
+        self.extra_rows = 0.0

@@ -172,6 +172,30 @@ def test_request_below_break_even_decodes_plain_and_probes():
     assert c.drafts(state, 8, (1, 2))
 
 
+def test_a_request_held_plain_by_its_own_probes_does_not_drag_the_replica_to_plain():
+    """At batch 1 a request that accepts nothing decodes plain on its own estimate and drafts every
+    ``probe_interval``-th step. Those per-request probes are ordinary drafted steps of the replica:
+    they weigh ``ema_alpha`` in its estimate, not ``probe_weight`` (which belongs to the replica's
+    own probes after a plain stretch). Before, each weighed 0.25: two of them took the replica plain
+    (measured on the AMX Xeon: the next request, accepting well, then began plain)."""
+    c = SpecController(COSTS)
+    hard = c.new_request_state()
+    shapes = []
+    for _ in range(60):
+        shape = c.shape_for(1)
+        drafts = shape is not None and c.drafts(hard, 1, shape)
+        c.observe(hard, shape, drafts, 0)
+        shapes.append(shape)
+    assert hard.tau < break_even_tau(COSTS, 1, (1, 2))  # the request itself decodes plain...
+    assert shapes[-1] is not None and c.current is not None  # ...the replica still speculates
+    taus = c.taus()
+    assert rate_of_shape(taus, c.current) > plain_rate(COSTS, 1)
+
+
+def rate_of_shape(taus, shape):
+    return spec_rate(COSTS, 1, shape, taus[shape])
+
+
 def test_the_controller_reports_no_tau_before_its_first_iteration():
     """Stats read before any iteration (a router or a pool ingress polling a fresh replica) carry no
     estimate instead of 1.0, which reads as "every draft fails"."""

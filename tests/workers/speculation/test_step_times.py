@@ -3,7 +3,7 @@
 import pytest
 
 from workers.speculation.goodput import StepCosts, best_choice
-from workers.speculation.step_times import LiveStepCosts, batch_bucket
+from workers.speculation.step_times import EXTRA_ROWS_ALPHA, MIN_END_SAMPLES, LiveStepCosts, batch_bucket
 
 SEED = StepCosts(plain_s={1: 0.010, 8: 0.040}, spec_s={(2, 2): {1: 0.020, 8: 0.120}},
                  tokens_per_step={(2, 2): 2.0})
@@ -92,8 +92,8 @@ def test_contexts_too_close_or_falling_costs_keep_the_median():
     close.at_context(2000)
     assert close.t_plain(1) == pytest.approx(SEED.t_plain(1) * 1.2)
     falling = LiveStepCosts(SEED, window=16)
-    for ctx, ratio in ((100, 2.0), (600, 1.5), (1100, 1.0)):  # cheaper with more context: noise, not a slope
-        falling.observe(1, None, SEED.t_plain(1) * ratio, context=ctx)
+    for ctx, ratio in ((100, 2.0), (150, 1.9), (200, 1.8), (1000, 1.2), (1050, 1.1), (1100, 1.0)):
+        falling.observe(1, None, SEED.t_plain(1) * ratio, context=ctx)  # cheaper with more context: noise, not a slope
     falling.at_context(5000)
     assert falling.t_plain(1) == pytest.approx(SEED.t_plain(1) * 1.5)
     unknown = LiveStepCosts(SEED, window=16)  # a sample without a context: the window keeps its median
@@ -103,11 +103,73 @@ def test_contexts_too_close_or_falling_costs_keep_the_median():
     assert unknown.t_plain(1) == pytest.approx(SEED.t_plain(1) * 1.35)
 
 
-def test_a_line_is_not_read_far_beyond_the_contexts_sampled():
+def test_a_line_is_not_read_beyond_the_contexts_sampled():
     costs = LiveStepCosts(SEED, window=16)
-    for ctx in (200, 300, 400):
+    for ctx in (200, 220, 240, 360, 380, 400):
         costs.observe(1, None, SEED.t_plain(1) * (1.0 + ctx / 100), context=ctx)
-    costs.at_context(100_000)  # held at twice the longest context sampled (800): ratio 9, not 1,001
-    assert costs.t_plain(1) == pytest.approx(SEED.t_plain(1) * 9.0)
-    costs.at_context(1)  # and at half the shortest (100): ratio 2
-    assert costs.t_plain(1) == pytest.approx(SEED.t_plain(1) * 2.0)
+    costs.at_context(100_000)  # held at the longest context sampled (400): ratio 5, not 1,001
+    assert costs.t_plain(1) == pytest.approx(SEED.t_plain(1) * 5.0)
+    costs.at_context(1)  # and at the shortest (200): ratio 3
+    assert costs.t_plain(1) == pytest.approx(SEED.t_plain(1) * 3.0)
+
+
+def test_one_sample_far_from_the_others_makes_no_line():
+    """Seen on the AMX Xeon: fifteen 1x2 steps (here 2x2) at 170-190 tokens of context and one at 480 (a step
+    whose prompt-lookup beam added rows) fitted a line that priced 1x2 at 480+ tokens 2.5x its cost.
+    Each half of the span needs MIN_END_SAMPLES samples before the context is read; until then the
+    window's median stands."""
+    costs = LiveStepCosts(SEED, window=16)
+    for i in range(15):
+        costs.observe(1, (2, 2), SEED.t_spec(1, (2, 2)) * 0.8, context=170 + i)
+    costs.observe(1, (2, 2), SEED.t_spec(1, (2, 2)) * 1.4, context=480)
+    costs.at_context(550)
+    assert costs.t_spec(1, (2, 2)) == pytest.approx(SEED.t_spec(1, (2, 2)) * 0.8)
+    for i in range(MIN_END_SAMPLES - 1):  # enough samples at the far end: now a line
+        costs.observe(1, (2, 2), SEED.t_spec(1, (2, 2)) * 1.4, context=470 + i)
+    assert costs.t_spec(1, (2, 2)) == pytest.approx(SEED.t_spec(1, (2, 2)) * 1.4, rel=0.05)
+
+
+def test_a_window_sampled_at_one_context_is_read_elsewhere_through_the_shared_slope():
+    """Seen on the AMX Xeon: 1x2 timed only during a long request (550-620 tokens), then priced at
+    that for short ones (2.3x plain instead of ~1.7x), so the replica decoded plain. Steps of every
+    choice grew by nearly the same fraction per context token there; plain steps sampled over many
+    contexts teach the shared slope, which reads the tree's window at short context."""
+    costs = LiveStepCosts(SEED, window=16)
+    k = 0.0007  # relative growth per context token
+
+    def grow(ctx):
+        return 1.0 + k * ctx
+
+    for ctx in range(100, 740, 40):  # plain over many contexts
+        costs.observe(1, None, SEED.t_plain(1) * grow(ctx), context=ctx)
+    for ctx in range(550, 630, 5):  # the tree at long context only
+        costs.observe(1, (2, 2), SEED.t_spec(1, (2, 2)) * 0.9 * grow(ctx), context=ctx)
+    assert costs.relative_slope == pytest.approx(k, rel=0.05)
+    costs.at_context(100)
+    assert costs.t_spec(1, (2, 2)) == pytest.approx(SEED.t_spec(1, (2, 2)) * 0.9 * grow(100), rel=0.02)
+    assert costs.t_plain(1) == pytest.approx(SEED.t_plain(1) * grow(100), rel=0.02)
+    costs.at_context(5000)  # read no further than the longest context sampled (720)
+    assert costs.t_spec(1, (2, 2)) == pytest.approx(SEED.t_spec(1, (2, 2)) * 0.9 * grow(720), rel=0.02)
+    costs.at_context(None)  # no context: the window's median, as before
+    assert costs.t_spec(1, (2, 2)) == pytest.approx(SEED.t_spec(1, (2, 2)) * 0.9 * grow(587.5), rel=0.02)
+
+
+def test_rows_a_lookup_beam_adds_are_priced_per_row_not_charged_to_the_shape():
+    """A 1x2 tree verifies 3 rows, 7 when the prompt-lookup beam finds a match (AMX Xeon, batch 1:
+    6.75 vs 9.2 ms). Trees timed during a request that copies its prompt must not make the shape look
+    1.5x dearer for the next request: a sample is divided by the seed's time for the rows it
+    verified (the seed's cost per row: the slope of its step times over the shapes' rows), and the
+    estimate adds the extra rows recent trees carried (a moving average)."""
+    per_row = 0.001  # the seed: 5 ms plus 1 ms per row verified
+    seed = StepCosts(plain_s={1: 0.006}, spec_s={(1, 2): {1: 0.008}, (2, 2): {1: 0.010}, (4, 4): {1: 0.022}},
+                     tokens_per_step={(1, 2): 1.8, (2, 2): 2.0, (4, 4): 2.3})
+    costs = LiveStepCosts(seed, window=16)
+    assert costs.row_s(1) == pytest.approx(per_row)
+    for _ in range(16):  # trees with 4 lookup rows, timed exactly as the seed prices 7 rows
+        costs.observe(1, (1, 2), 0.005 + 7 * per_row, rows=7)
+    assert costs.extra_rows == pytest.approx(4 * (1 - (1 - EXTRA_ROWS_ALPHA) ** 16))
+    assert costs.t_spec(1, (1, 2)) == pytest.approx(0.008 + costs.extra_rows * per_row)  # not 0.012
+    assert costs.t_spec(1, (2, 2)) == pytest.approx(0.010 + costs.extra_rows * per_row)  # never sampled: the seed, same rows
+    for _ in range(200):  # the next requests copy nothing: 3-row trees
+        costs.observe(1, (1, 2), 0.008, rows=3)
+    assert costs.t_spec(1, (1, 2)) == pytest.approx(0.008, rel=0.02)
