@@ -34,7 +34,8 @@ ones. Each sample keeps the mean context of its iteration, and the context enter
   its samples brought to no context, read at the iteration's context. The slope is fitted on a
   longer history than the windows (a window of 16 batch-1 steps spans 16 tokens of one request): per
   (bucket, choice), the newest :data:`BIN_SAMPLES` samples of each :data:`CONTEXT_BIN`-token range of
-  context, each range summarized by its medians, pairs taken between ranges of one (bucket, choice). Measured on the AMX Xeon with the broad dev prompts at batch 1, the relative growth is
+  context (none older than :data:`HISTORY_AGE` samples), each range summarized by its medians, pairs
+  taken between nearby ranges of one (bucket, choice). Measured on the AMX Xeon with the broad dev prompts at batch 1, the relative growth is
   nearly the same for plain steps and 1x2 trees (0.6-0.8 per 1,000 tokens: plain 4.1 -> 5.4 ms,
   a 3-row tree 7.4 -> 9.7 ms, a 7-row tree 9.6 -> 13.5 ms from 150 to 650 tokens), so plain
   traffic at every context teaches how a tree timed only at 550 tokens costs at 100.
@@ -74,6 +75,8 @@ MAX_RELATIVE_SLOPE = 0.01  # per context token: a step at most doubling every 10
 REFIT_EVERY = 32  # samples between refits of the shared relative slope
 CONTEXT_BIN = 64  # context tokens per range of the slope's history
 BIN_SAMPLES = 8  # samples kept per range
+HISTORY_AGE = 8192  # samples after which a range's sample leaves the slope's history
+PAIR_REACH = 4  # a range pairs with the next this many sampled ranges of its window (bounds a refit's work)
 EXTRA_ROWS_ALPHA = 0.02  # weight of the newest tree sample in the moving average of extra rows per request
 
 
@@ -109,13 +112,14 @@ def context_line(samples: list[tuple[float, float]]) -> tuple[float, float] | No
 def relative_slope(windows) -> float | None:
     """``k`` of ``ratio = level * (1 + k * context)`` shared by ``windows`` (each a list of
     ``(context, ratio)`` points, one list per (bucket, choice): their levels differ, ``k`` is common): the median
-    over pairs of samples of one window at least :data:`MIN_PAIR_GAP` tokens apart of
-    ``(r1 - r0) / (r0 * c1 - r1 * c0)``, clamped to ``[0, MAX_RELATIVE_SLOPE]``. None with fewer than
-    :data:`MIN_SLOPE_PAIRS` pairs."""
+    over pairs of points of one window at least :data:`MIN_PAIR_GAP` tokens apart of
+    ``(r1 - r0) / (r0 * c1 - r1 * c0)``, clamped to ``[0, MAX_RELATIVE_SLOPE]``. A point pairs with
+    the next :data:`PAIR_REACH` points of its list (sorted by context: a refit's work grows linearly
+    with the ranges, not as their square). None with fewer than :data:`MIN_SLOPE_PAIRS` pairs."""
     slopes = []
     for samples in windows:
         for i, (c0, r0) in enumerate(samples):
-            for c1, r1 in samples[i + 1:]:
+            for c1, r1 in samples[i + 1: i + 1 + PAIR_REACH]:
                 den = r0 * c1 - r1 * c0
                 if abs(c1 - c0) >= MIN_PAIR_GAP and den != 0:
                     slopes.append((r1 - r0) / den)
@@ -190,8 +194,9 @@ class LiveStepCosts:
         return self.seed.t_plain(b) if choice is None else self.seed.t_spec(b, choice)
 
     def row_s(self, b: float) -> float:
-        """The seed's seconds per extra tree row at ``b``: the least-squares slope of its step times
-        over the shapes' :func:`nominal_rows` (>= 0; 0 with fewer than two shapes of distinct rows)."""
+        """The seed's seconds per extra tree row of every request of a step of ``b`` requests: the
+        least-squares slope of its step times over the shapes' :func:`nominal_rows` (>= 0; 0 with fewer
+        than two shapes of distinct rows: extra rows then cost nothing here and stay in the ratio)."""
         key = max(1, round(b))
         if key not in self._row_s:
             points = [(nominal_rows(s), self.seed.t_spec(key, s)) for s in self.seed.spec_s]
@@ -203,10 +208,9 @@ class LiveStepCosts:
         return self._row_s[key]
 
     def _tree_seed_t(self, b: float, shape: Shape, extra: float) -> float:
-        """The seed's seconds for a step of ``shape`` whose trees carry ``extra`` rows per request
-        beyond the shape's own (never below half the shape's own time)."""
-        seed = self.seed.t_spec(b, shape)
-        return max(seed + extra * b * self.row_s(b), 0.5 * seed)
+        """The seed's seconds for a step of ``b`` requests with ``shape`` whose trees each carry
+        ``extra`` rows (>= 0) beyond the shape's own."""
+        return self.seed.t_spec(b, shape) + max(extra, 0.0) * self.row_s(b)
 
     def t(self, b: float, choice: Choice) -> float:
         """Estimated seconds per step at ``b`` for ``choice`` (None: plain); a shape's with the extra
@@ -234,12 +238,18 @@ class LiveStepCosts:
         if self.context is None:
             return self._ratio[key]
         line = self._line.get(key)
-        if line is not None:  # the window's own line, read within the contexts it sampled
+        if line is not None:  # the window's own line within the contexts it sampled, the shared slope beyond
             intercept, slope, lo, hi = line
-            return max(intercept + slope * min(max(self.context, lo), hi), 1e-3)
+            held = min(max(self.context, lo), hi)
+            beyond = (1.0 + self.relative_slope * self._seen(self.context)) / (1.0 + self.relative_slope * held)
+            return max((intercept + slope * held) * beyond, 1e-3)
         if self._k and key in self._level:  # the shared relative slope, read up to the longest context seen
-            return self._level[key] * (1.0 + self._k * min(max(self.context, 0.0), self._max_context))
+            return self._level[key] * (1.0 + self._k * self._seen(self.context))
         return self._ratio[key]
+
+    def _seen(self, context: float) -> float:
+        """``context`` held within 0 and the longest context of the slope's history."""
+        return min(max(context, 0.0), self._max_context)
 
     @property
     def relative_slope(self) -> float:
@@ -252,7 +262,8 @@ class LiveStepCosts:
         likely is for the others; :meth:`t` does not assume it, since it decides between them)."""
         if any(c == choice for _, c in self._ratio) or not self._ratio:
             return self.t(b, choice)
-        return self.seed_t(b, choice) * statistics.median(self._ratio.values())
+        seed = self.seed_t(b, choice) if choice is None else self._tree_seed_t(b, choice, self.extra_rows)
+        return seed * statistics.median(self._ratio.values())
 
     def samples(self, b: int, choice: Choice) -> int:
         """Live samples held for ``b``'s bucket and ``choice`` (at most ``window``)."""
@@ -281,7 +292,9 @@ class LiveStepCosts:
         self._now += 1
         base = self.seed_t(b, choice)
         if choice is not None and rows is not None:
-            extra = rows / b - nominal_rows(choice)
+            # rows beyond the shape's own: the lookup beam's; fewer rows (beams that merge, a beam
+            # search's shared prefixes) belong to the shape and stay in its own ratio
+            extra = max(rows / b - nominal_rows(choice), 0.0)
             self.extra_rows += EXTRA_ROWS_ALPHA * (extra - self.extra_rows)
             base = self._tree_seed_t(b, choice, extra)
         ratio = seconds / base
@@ -293,10 +306,9 @@ class LiveStepCosts:
         if context is not None:
             self._max_context = max(self._max_context, context)
             bins = self._bins.setdefault(key, {})
-            bins.setdefault(int(context // CONTEXT_BIN), deque(maxlen=BIN_SAMPLES)).append((context, ratio))
+            bins.setdefault(int(context // CONTEXT_BIN), deque(maxlen=BIN_SAMPLES)).append((self._now, context, ratio))
         if self._now % REFIT_EVERY == 0:
-            self._k = relative_slope([[(statistics.median(c for c, _ in q), statistics.median(r for _, r in q))
-                                       for q in bins.values()] for bins in self._bins.values()])
+            self._refit()
             for other in self._samples:
                 self._set_level(other)
         else:
@@ -307,6 +319,24 @@ class LiveStepCosts:
         else:
             contexts = [c for _, c, _ in window]
             self._line[key] = (*line, min(contexts), max(contexts))
+
+    def _refit(self) -> None:
+        """Refit the shared relative slope on the history's ranges (samples older than
+        :data:`HISTORY_AGE` samples leave it), and the longest context it holds."""
+        points, longest = [], 0.0
+        for bins in self._bins.values():
+            window = []
+            for index in sorted(bins):
+                q = bins[index]
+                while q and self._now - q[0][0] > HISTORY_AGE:
+                    q.popleft()
+                if q:
+                    window.append((statistics.median(c for _, c, _ in q), statistics.median(r for _, _, r in q)))
+                    longest = max(longest, max(c for _, c, _ in q))
+                else:
+                    del bins[index]
+            points.append(window)
+        self._k, self._max_context = relative_slope(points), longest
 
     def _set_level(self, key: tuple[int, Choice]) -> None:
         """The window's level under the shared slope (none while the slope is unfitted, or when a

@@ -173,3 +173,23 @@ def test_rows_a_lookup_beam_adds_are_priced_per_row_not_charged_to_the_shape():
     for _ in range(200):  # the next requests copy nothing: 3-row trees
         costs.observe(1, (1, 2), 0.008, rows=3)
     assert costs.t_spec(1, (1, 2)) == pytest.approx(0.008, rel=0.02)
+
+
+def test_extra_rows_at_batch_8_are_priced_per_request_row_and_merged_trees_do_not_go_negative():
+    """At batch b the seed's cost per row is the slope over rows per request, so it already covers
+    all b requests (a reviewer found it charged b times). Trees with fewer rows than the shape's own
+    (beams that merge) do not drive the shared extra rows below zero: that saving is the shape's."""
+    seed = StepCosts(plain_s={8: 0.020}, spec_s={(1, 2): {8: 0.005 + 3 * 0.004}, (2, 2): {8: 0.005 + 5 * 0.004},
+                                                 (4, 4): {8: 0.005 + 17 * 0.004}},
+                     tokens_per_step={(1, 2): 1.8, (2, 2): 2.0, (4, 4): 2.3})
+    costs = LiveStepCosts(seed, window=16)
+    assert costs.row_s(8) == pytest.approx(0.004)
+    for _ in range(16):  # every request's 1x2 tree carries 4 lookup rows: 7 x 8 rows
+        costs.observe(8, (1, 2), 0.005 + 7 * 0.004, rows=7 * 8)
+    assert costs.t_spec(8, (1, 2)) == pytest.approx(0.017 + costs.extra_rows * 0.004)  # ratio 1
+    assert costs.probe_t(8, (2, 2)) == pytest.approx(costs.t_spec(8, (2, 2)))  # probes priced as decisions
+    merged = LiveStepCosts(seed, window=16)
+    for _ in range(64):  # 4x4 trees whose beams merged into 5 rows
+        merged.observe(8, (4, 4), 0.005 + 5 * 0.004, rows=5 * 8)
+    assert merged.extra_rows == 0.0
+    assert merged.t_spec(8, (1, 2)) == pytest.approx(0.017)
