@@ -46,7 +46,8 @@ class StepResult:
     accepted_draft_tokens: how many of ``tokens`` were drafted.
     generation_step: True for a generation-phase step (counts towards tokens per step).
     draft_depth: the draft tree's depth (its longest beam's drafted tokens); 0 for a plain step.
-    num_rows: rows the base model verified for it (the tree's nodes; 1 for a plain step).
+    num_rows: rows the base model verified for it in a generation step (the tree's nodes; 1 for a
+        plain step); 1 for a context chunk (not counted).
     grammar_rejected: the request's grammar forbade every drafted child of the accepted path's last
         node (the grammar, not the base model, ended acceptance).
     token_logits: ``[len(tokens), V]`` raw logits of the rows that chose ``tokens`` (row k predicts

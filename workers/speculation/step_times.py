@@ -111,7 +111,8 @@ def context_line(samples: list[tuple[float, float]]) -> tuple[float, float] | No
 
 def relative_slope(windows) -> float | None:
     """``k`` of ``ratio = level * (1 + k * context)`` shared by ``windows`` (each a list of
-    ``(context, ratio)`` points, one list per (bucket, choice): their levels differ, ``k`` is common): the median
+    ``(context, ratio)`` points, one list per (bucket, choice), sorted by context; the caller passes
+    each context range's medians: their levels differ, ``k`` is common): the median
     over pairs of points of one window at least :data:`MIN_PAIR_GAP` tokens apart of
     ``(r1 - r0) / (r0 * c1 - r1 * c0)``, clamped to ``[0, MAX_RELATIVE_SLOPE]``. A point pairs with
     the next :data:`PAIR_REACH` points of its list (sorted by context: a refit's work grows linearly
@@ -147,7 +148,8 @@ class LiveStepCosts:
     seed: the table the estimates start from (a calibration file, or the start-up measurement).
     window: samples per (bucket, choice) the moving median (or line in the context) runs over.
     max_age: a sample older than this many samples (of any bucket and choice) leaves its window the
-        next time that window is sampled; None: only ``window`` limits it.
+        next time that window is sampled; None: only ``window`` limits it. (The shared slope's
+        history ages by :data:`HISTORY_AGE` instead.)
 
     Raises:
         ValueError: ``window < 1`` or ``max_age < 1``.
@@ -225,9 +227,10 @@ class LiveStepCosts:
         return self.t(b, shape)
 
     def ratio(self, b: int, choice: Choice) -> float:
-        """measured / seed at ``b``'s bucket for ``choice`` (at :attr:`context`, where its window fits
-        a line in the context): its own samples, else the nearest sampled bucket's (the smaller on a
-        tie), else 1.0 (never sampled)."""
+        """measured / seed at ``b``'s bucket for ``choice``: its own samples, else the nearest sampled
+        bucket's (the smaller on a tie), else 1.0 (never sampled). At :attr:`context`: the window's
+        own line in the context where it fits one (extended beyond its contexts by the shared slope),
+        else its level under the shared relative slope once that is fitted, else its median."""
         bucket = batch_bucket(b)
         if (bucket, choice) not in self._ratio:
             sampled = [k for k, c in self._ratio if c == choice]
