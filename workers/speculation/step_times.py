@@ -35,8 +35,8 @@ ones. Each sample keeps the mean context of its iteration, and the context enter
   longer history than the windows (a window of 16 batch-1 steps spans 16 tokens of one request): per
   (bucket, choice), the newest :data:`BIN_SAMPLES` samples of each :data:`CONTEXT_BIN`-token range of
   context (none older than :data:`HISTORY_AGE` samples), each range summarized by its medians, pairs
-  taken between nearby ranges of one (bucket, choice). Measured on the AMX Xeon with the broad dev prompts at batch 1, the relative growth is
-  nearly the same for plain steps and 1x2 trees (0.6-0.8 per 1,000 tokens: plain 4.1 -> 5.4 ms,
+  taken between nearby ranges of one (bucket, choice). Measured on the AMX Xeon with the broad dev
+  prompts at batch 1, the relative growth is nearly the same for plain steps and 1x2 trees (0.6-0.8 per 1,000 tokens: plain 4.1 -> 5.4 ms,
   a 3-row tree 7.4 -> 9.7 ms, a 7-row tree 9.6 -> 13.5 ms from 150 to 650 tokens), so plain
   traffic at every context teaches how a tree timed only at 550 tokens costs at 100.
 
@@ -172,9 +172,9 @@ class LiveStepCosts:
         self.context: float | None = None  # the context estimates are read at (at_context); None: medians
         self._k: float | None = None  # the shared relative slope (relative_slope); None: not yet fitted
         self._level: dict[tuple[int, Choice], float] = {}  # a window's median ratio brought to no context
-        self._max_context = 0.0  # the longest context any sample had (the shared slope is read up to it)
-        # the shared slope's history: (bucket, choice) -> context range -> newest (context, ratio) samples
-        self._bins: dict[tuple[int, Choice], dict[int, deque[tuple[float, float]]]] = {}
+        self._max_context = 0.0  # the longest context in the slope's history (the shared slope is read up to it)
+        # the shared slope's history: (bucket, choice) -> context range -> newest (when, context, ratio) samples
+        self._bins: dict[tuple[int, Choice], dict[int, deque[tuple[int, float, float]]]] = {}
         self.extra_rows = 0.0  # rows per request beyond the shape's own, moving average over tree samples
         self._row_s: dict[int, float] = {}  # batch size -> the seed's seconds per tree row
 
@@ -214,11 +214,15 @@ class LiveStepCosts:
         ``extra`` rows (>= 0) beyond the shape's own."""
         return self.seed.t_spec(b, shape) + max(extra, 0.0) * self.row_s(b)
 
+    def _expected_seed_t(self, b: float, choice: Choice) -> float:
+        """The seed's seconds for ``choice`` at ``b``; a shape's with the extra rows per request recent
+        trees carried (:attr:`extra_rows`)."""
+        return self.seed_t(b, choice) if choice is None else self._tree_seed_t(b, choice, self.extra_rows)
+
     def t(self, b: float, choice: Choice) -> float:
         """Estimated seconds per step at ``b`` for ``choice`` (None: plain); a shape's with the extra
         rows per request recent trees carried (:attr:`extra_rows`)."""
-        seed = self.seed_t(b, choice) if choice is None else self._tree_seed_t(b, choice, self.extra_rows)
-        return seed * self.ratio(max(1, round(b)), choice)
+        return self._expected_seed_t(b, choice) * self.ratio(max(1, round(b)), choice)
 
     def t_plain(self, b: float) -> float:
         return self.t(b, None)
@@ -265,8 +269,7 @@ class LiveStepCosts:
         likely is for the others; :meth:`t` does not assume it, since it decides between them)."""
         if any(c == choice for _, c in self._ratio) or not self._ratio:
             return self.t(b, choice)
-        seed = self.seed_t(b, choice) if choice is None else self._tree_seed_t(b, choice, self.extra_rows)
-        return seed * statistics.median(self._ratio.values())
+        return self._expected_seed_t(b, choice) * statistics.median(self._ratio.values())
 
     def samples(self, b: int, choice: Choice) -> int:
         """Live samples held for ``b``'s bucket and ``choice`` (at most ``window``)."""
