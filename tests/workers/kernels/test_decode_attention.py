@@ -130,6 +130,25 @@ def test_tree_and_chunk_rows_equal_each_row_alone(B, T, L, kv_dtype, isa):
             assert torch.equal(got[b * T + t], alone[0]), (b, t)
 
 
+@pytest.mark.parametrize("B,T,L", [(1, 1, 300), (16, 1, 70), (1, 7, 301), (2, 40, 90)])
+@pytest.mark.parametrize("H,HKV", [(9, 3), (8, 1), (4, 2)])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+def test_query_heads_taken_together_get_the_bits_of_each_head_alone(B, T, L, H, HKV, kv_dtype, isa):
+    """The G query heads of a key/value head are computed together (each key and value loaded once
+    for them, rows split across threads in chunks): each head's output equals, bit for bit, the same
+    head computed alone (one query head over its own key/value head, the head-by-head path)."""
+    q, kc, vc, slots, _ = random_case(B, T, L, H, HKV, 64, seed=H * 31 + T + L)
+    mask = tree_and_chunk_masks(B, T, L, seed=T + L + H)
+    kc, vc = kc.to(kv_dtype), vc.to(kv_dtype)
+    got = attend(plan(isa, AttentionGroup(0, B, T, slots, mask), kc.shape[0]), q, kc, vc).view(B * T, H, 64)
+    G = H // HKV
+    for h in range(H):
+        kvh = h // G
+        alone = attend(plan(isa, AttentionGroup(0, B, T, slots, mask), kc.shape[0]), q[:, h : h + 1].contiguous(),
+                       kc[:, kvh : kvh + 1].contiguous(), vc[:, kvh : kvh + 1].contiguous())
+        assert torch.equal(got[:, h], alone), h
+
+
 def test_row_without_visible_keys_is_zero(isa):
     q, kc, vc, slots, mask = random_case(1, 2, 20, 4, 2, 16)
     mask[0, 0, 1] = False
