@@ -2,7 +2,7 @@
 LM head, ReDrafter drafting, prompt lookup, tree building, acceptance and sampling, the model's
 Python glue (small torch ops, module calls) and the engine's scheduling and bookkeeping.
 
-The engine decodes the prompts at batch 1 (``--mode plain`` and/or ``spec``; spec at the config's
+The engine decodes the prompts at batch 1, or ``--batch-size`` of them together (``--mode plain`` and/or ``spec``; spec at the config's
 ``num_beams`` x ``draft_len_per_beam`` or ``--num-beams``/``--draft-len-per-beam``, at every batch
 size, whatever the config's ``speculation.policy`` says). Each part is timed by wrapping the function that does it
 (``time.perf_counter`` on entry and exit; about a microsecond per call) and counted exclusively:
@@ -100,23 +100,28 @@ def patch(timer: PartTimer) -> None:
     on(model_runner.ModelRunner, "_choose", "acceptance, sampling")
 
 
-def decode(engine, ids: list[int], mode: str, max_tokens: int, timer: PartTimer) -> tuple[int, int, float]:
-    """Decode one prompt; returns (decode steps, tokens they produced, their wall seconds). Only
-    steps after the first token (no prefill in them) are timed."""
-    engine.add_request("bd", ids, SamplingParams(max_tokens=max_tokens), mode)
+def decode(engine, batch: list[list[int]], mode: str, max_tokens: int, timer: PartTimer) -> tuple[int, int, float]:
+    """Decode the prompts of ``batch`` together (submitted at once, decoded to ``max_tokens`` each,
+    EOS ignored where the batch has more than one); returns (decode steps, tokens they produced,
+    their wall seconds). Only steps after every request's first token (no prefill in them) are
+    timed."""
+    names = [f"bd{i}" for i in range(len(batch))]
+    for name, ids in zip(names, batch):
+        engine.add_request(name, ids, SamplingParams(max_tokens=max_tokens, ignore_eos=len(batch) > 1), mode)
     steps = tokens = 0
     wall = 0.0
-    finished, first = False, True
-    while not finished:
-        timer.enabled = not first
+    started, finished = set(), set()
+    while len(finished) < len(names):
+        timing = len(started) == len(names)
+        timer.enabled = timing
         t0 = time.perf_counter()
-        deltas = [d for d in engine.step() if d.request_id == "bd"]
-        if not first:
+        deltas = [d for d in engine.step() if d.request_id in names]
+        if timing:
             wall += time.perf_counter() - t0
             steps += 1
             tokens += sum(len(d.token_ids) for d in deltas)
-        first = False
-        finished = any(d.finished for d in deltas)
+        started.update(d.request_id for d in deltas if d.token_ids)
+        finished.update(d.request_id for d in deltas if d.finished)
     timer.enabled = False
     return steps, tokens, wall
 
@@ -132,6 +137,8 @@ def main() -> None:
     ap.add_argument("--draft-len-per-beam", type=int)
     ap.add_argument("--unfused", action="store_true", help="run the decoder layer by layer from Python "
                     "(LlamaModel.fused_decoder = False) to see each part; default: the whole stack in one C call")
+    ap.add_argument("--batch-size", type=int, default=1,
+                    help="requests decoded together (the prompts in turn, repeated as needed; EOS ignored above 1)")
     ap.add_argument("--out", default="benchmarks/results/step_breakdown")
     args = ap.parse_args()
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
@@ -151,7 +158,13 @@ def main() -> None:
     prompts = [p for ps in first_per_category(rows, args.prompts_per_category).values() for p in ps]
     ids = [apply_chat_template(engine.tokenizer, p["messages"]) if "messages" in p
            else engine.tokenizer(p["prompt"])["input_ids"] for p in prompts]
-    decode(engine, ids[0], "plain", 8, timer)  # warm-up
+    if args.batch_size < 1 or args.batch_size > cfg.engine.max_batch_size:
+        ap.error(f"--batch-size must be 1 .. engine.max_batch_size ({cfg.engine.max_batch_size}), got {args.batch_size}")
+    # batches of --batch-size prompts: each prompt once at batch 1, else the prompts in turn
+    batches = ([[p] for p in ids] if args.batch_size == 1
+               else [[ids[(i * args.batch_size + j) % len(ids)] for j in range(args.batch_size)]
+                     for i in range(max(1, len(ids) // args.batch_size))])
+    decode(engine, [ids[0]] * args.batch_size, "plain", 8, timer)  # warm-up
     timer.total.clear()
     timer.calls.clear()
 
@@ -161,8 +174,8 @@ def main() -> None:
         timer.calls.clear()
         steps = tokens = 0
         wall = 0.0
-        for p in ids:
-            s, t, w = decode(engine, p, mode, args.max_tokens, timer)
+        for batch in batches:
+            s, t, w = decode(engine, batch, mode, args.max_tokens, timer)
             steps, tokens, wall = steps + s, tokens + t, wall + w
         parts = {k: v / steps * 1e3 for k, v in sorted(timer.total.items(), key=lambda kv: -kv[1])}
         results[mode] = {"steps": steps, "tokens": tokens, "wall_s": wall, "ms_per_step": wall / steps * 1e3,
@@ -173,12 +186,12 @@ def main() -> None:
         for k, v in parts.items():
             lines.append(f"| {k} | {v:.2f} | {v / (wall / steps * 1e3):.0%} | {timer.calls[k] / steps:.0f} |")
         tables.append("\n".join(lines))
-    header = (f"{'layer by layer (Python)' if args.unfused else 'fused decoder (one C call)'}; compute path {engine.compute_path}, threads {torch.get_num_threads()}, {len(ids)} prompts, max_tokens "
+    header = (f"{'layer by layer (Python)' if args.unfused else 'fused decoder (one C call)'}; compute path {engine.compute_path}, threads {torch.get_num_threads()}, {len(ids)} prompts, batch size {args.batch_size}, max_tokens "
               f"{args.max_tokens}, spec shape {shape[0]}x{shape[1]}, prompt lookup {spec.prompt_lookup_num_tokens}")
     table = header + "\n\n" + "\n\n".join(tables)
     print(table)
     write_report(args.out, table, {"config": args.config, "compute_path": engine.compute_path, "threads": torch.get_num_threads(),
-                                   "fused_decoder": not args.unfused, "prompts": len(ids), "max_tokens": args.max_tokens, "shape": list(shape),
+                                   "fused_decoder": not args.unfused, "prompts": len(ids), "batch_size": args.batch_size, "max_tokens": args.max_tokens, "shape": list(shape),
                                    "modes": results})
 
 
