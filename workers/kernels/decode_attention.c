@@ -15,8 +15,8 @@
  *
  * Several rows of a request (a draft tree, a prompt chunk) mostly see the same keys: the context
  * before them. Each row's keys are found once per call (extent_t: the leading run every key of which
- * it sees, and its last visible key); two or three rows that all see a block of 8 keys take the
- * keys' scores together (each key loaded, and widened from binary16, once for them), and blocks of
+ * it sees, and its last visible key); with one query head per key/value head (G = 1), two or three
+ * rows that all see a block of 8 keys take the keys' scores together (each key loaded, and widened from binary16, once for them), and blocks of
  * up to 6 rows (AVX-512; 4 on AVX2) weigh the values of the keys they all see together (each value
  * loaded once for the block, no mask checks); keys after a row's last visible key are not touched.
  * On the default model's heads (AMX Xeon) this made a 7-row tree's attention 1.4-1.7x and a 64-row
@@ -46,7 +46,8 @@
 
 #include "simd.h"
 
-/* Scratch per thread: scores [T][Lp] (Lp = L rounded up to 16). */
+/* Scratch per thread: scores of the rows an item computes, [rows][Lp] (Lp = L rounded up to 16): T rows of
+ * one head (head), or a chunk's rows times G heads (head_group). */
 typedef struct {
     const float *q;
     const char *kc, *vc; /* float32 or binary16 elements of es bytes */
@@ -59,6 +60,9 @@ typedef struct {
 } args_t;
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
+/* Tuning (-D to override): PF_KEYS keys ahead prefetched (0: none; 16 = two blocks of 8), PF_VALUES
+ * values ahead, GROUP_ROWS the most rows of a request one thread takes in a grouped item. Measured on
+ * the AMX Xeon only (BENCHMARKS.md 14). */
 #ifndef PF_KEYS
 #define PF_KEYS 16
 #endif
@@ -74,7 +78,8 @@ ALWAYS_INLINE const char *row_of(const args_t *a, const char *cache, const int64
     return cache + (((slots ? slots[j] : a->run_start + j) * a->HKV + kvh) * a->D + d0) * a->es;
 }
 
-/* Prefetch (into L1) the keys j .. j + 7 of key/value head kvh, those that lie in the cache: the
+/* Prefetch (into L1) the keys j .. j + 7 of key/value head kvh (nothing when j + 8 > L: the tail block
+ * is not prefetched; a prefetch never faults, but the slot list must not be read past L): the
  * cache holds a token's key/value heads side by side, so one head's keys are strided and the
  * hardware prefetchers fall behind (batch 16 plain read 11 GB/s of a 27 GB/s machine without). */
 ALWAYS_INLINE void prefetch_keys(const args_t *a, const int64_t *slots, long j, long kvh) {
@@ -441,7 +446,10 @@ static int head_f16(const args_t *a, long b, long h, float *s) { return head(a, 
  * bytes; out: [B * T, H * D].
  * H must be a multiple of HKV and D a multiple of 16. Returns 0, or -1 when scratch memory could
  * not be allocated (out is then incomplete). Threads split the (request, key/value head) pairs, a
- * request's rows in chunks where pairs are few (G > 1), or the (request, query head) pairs (G = 1). */
+ * request's rows in chunks of at most GROUP_ROWS, and in more chunks where pairs are fewer than 2 per
+ * thread (G > 1), or the (request, query head) pairs (G = 1, and single rows with fewer pairs than
+ * threads: a pair's G heads on one thread would then be the step's critical path). B or T of 0: nothing
+ * to do, returns 0. */
 int rd_decode_attention(const float *q, long q_stride, const void *kc, const void *vc, const int64_t *slots,
                         long run_start, const uint8_t *mask, float *out, long B, long T, long L, long H, long HKV,
                         long D, float scale, long kv_half) {
@@ -457,10 +465,12 @@ int rd_decode_attention(const float *q, long q_stride, const void *kc, const voi
     long G = H / HKV;
     /* G > 1: the (request, key/value head) pairs, a request's rows split into chunks of at most
      * GROUP_ROWS rows, and into more chunks where there are fewer pairs than 2 per thread. */
-    int grouped = G > 1;
+    if (B * T == 0) return 0;
+    int nthreads = omp_get_max_threads();
+    int grouped = G > 1 && (T > 1 || B * HKV >= nthreads);
     long pairs = B * HKV, chunks = 1;
     if (grouped) {
-        long want = (2 * omp_get_max_threads() + pairs - 1) / pairs;
+        long want = (2 * nthreads + pairs - 1) / pairs;
         chunks = (T + GROUP_ROWS - 1) / GROUP_ROWS;
         chunks = want > chunks ? want : chunks;
         chunks = chunks < T ? chunks : T;

@@ -149,6 +149,16 @@ def test_query_heads_taken_together_get_the_bits_of_each_head_alone(B, T, L, H, 
         assert torch.equal(got[:, h], alone), h
 
 
+@pytest.mark.parametrize("B,T", [(0, 1), (0, 3), (1, 0)])
+def test_an_empty_group_returns_no_rows(B, T, isa):
+    """No request or no row: an empty result, not a crash (the grouped path divides work by both)."""
+    q, kc, vc, _, _ = random_case(1, 1, 10, 4, 2, 16)
+    slots = torch.zeros(B, 10, dtype=torch.int64)
+    mask = torch.ones(B, 1, T, 10, dtype=torch.bool)
+    got = attend(plan(isa, AttentionGroup(0, B, T, slots, mask), kc.shape[0]), q[: B * T], kc, vc)
+    assert got.shape == (0, 4 * 16)
+
+
 def test_row_without_visible_keys_is_zero(isa):
     q, kc, vc, slots, mask = random_case(1, 2, 20, 4, 2, 16)
     mask[0, 0, 1] = False
