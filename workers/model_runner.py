@@ -165,13 +165,21 @@ class ModelRunner:
                 state.grammar.advance([token])
             results.append(StepResult(seq, [token], 0, False, token_logits=self._kept(row_logits, state),
                                       prompt_logits=prompt_logits, prompt_start=start + 1))
-        for row, row_start in zip(rows, row_starts):
+        # the argmax of every decode and tree row in one call, for greedy requests without logits processors
+        # (per request it was ~40 us of a batch-16 step each; the same indices, workers.sampling.greedy_tokens)
+        plain_greedy = [r.seq.runner_state.params.greedy and not r.seq.runner_state.params.has_processors for r in rows]
+        top = greedy_tokens(logits[cursor:]).tolist() if any(plain_greedy) else None
+        gen_start = cursor
+        for row, row_start, fast in zip(rows, row_starts, plain_greedy):
             seq, state = row.seq, row.seq.runner_state
             node_logits = logits[cursor : cursor + row.num_nodes]
+            row_top = top[cursor - gen_start : cursor - gen_start + row.num_nodes] if fast else None
             cursor += row.num_nodes
             grammar_rows = []  # the grammar's allowed mask of this tree's nodes, if it has one
             if row.tree is None:
-                path, bonus = [0], self._choose(node_logits, state, seq)[0]
+                path, bonus = [0], row_top[0] if fast else self._choose(node_logits, state, seq)[0]
+            elif fast:
+                path, bonus = accept_greedy(row.tree, row_top)
             else:
                 processed = self._processed(node_logits, state, seq, row.tree, grammar_rows)
                 if state.params.greedy:
