@@ -10,7 +10,7 @@ a wrapped call inside another wrapped part belongs to the inner part, except ins
 the LM head and prompt lookup, which own everything they call (their linears count as drafting, not
 as linear layers). "engine: scheduling, bookkeeping" is ``Engine.step`` minus every other part,
 "model: glue" the model's forward minus its parts. Steps that prefill a prompt are left out, so
-the table describes decode steps (plain: one row; spec: one tree). By default the decoder stack runs
+the table describes decode steps (plain: one row per request; spec: one tree per request). By default the decoder stack runs
 in one C call (``workers/kernels/decoder.c``), timed as one part; ``--unfused`` runs it layer by
 layer from Python to split it into its parts.
 
@@ -98,21 +98,23 @@ def patch(timer: PartTimer) -> None:
     on(model_runner, "build_prefix_tree", "tree building")
     on(model_runner, "accept_greedy", "acceptance, sampling")
     on(model_runner.ModelRunner, "_choose", "acceptance, sampling")
+    on(model_runner, "greedy_tokens", "acceptance, sampling")  # the batched argmax of greedy requests
 
 
-def decode(engine, batch: list[list[int]], mode: str, max_tokens: int, timer: PartTimer) -> tuple[int, int, float]:
-    """Decode the prompts of ``batch`` together (submitted at once, decoded to ``max_tokens`` each,
-    EOS ignored where the batch has more than one); returns (decode steps, tokens they produced,
-    their wall seconds). Only steps after every request's first token (no prefill in them) are
-    timed."""
+def decode(engine, batch: list[list[int]], mode: str, max_tokens: int, ignore_eos: bool,
+           timer: PartTimer) -> tuple[int, int, float]:
+    """Decode the prompts of ``batch`` together (submitted at once, each to ``max_tokens``, or its EOS
+    unless ``ignore_eos``); returns (decode steps, tokens they produced, their wall seconds). Only
+    steps that decode every request of the batch (after each one's first token, before any has
+    finished) are timed: no prefill in them, and a batch-N step always has N requests."""
     names = [f"bd{i}" for i in range(len(batch))]
     for name, ids in zip(names, batch):
-        engine.add_request(name, ids, SamplingParams(max_tokens=max_tokens, ignore_eos=len(batch) > 1), mode)
+        engine.add_request(name, ids, SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos), mode)
     steps = tokens = 0
     wall = 0.0
     started, finished = set(), set()
     while len(finished) < len(names):
-        timing = len(started) == len(names)
+        timing = len(started) == len(names) and not finished
         timer.enabled = timing
         t0 = time.perf_counter()
         deltas = [d for d in engine.step() if d.request_id in names]
@@ -124,6 +126,13 @@ def decode(engine, batch: list[list[int]], mode: str, max_tokens: int, timer: Pa
         finished.update(d.request_id for d in deltas if d.finished)
     timer.enabled = False
     return steps, tokens, wall
+
+
+def batches_of(ids: list[list[int]], size: int) -> list[list[list[int]]]:
+    """The prompts in batches of ``size``, in order; the last batch is filled with the first prompts
+    again (so every prompt is decoded, and a batch-N step always has N requests)."""
+    count = -(-len(ids) // size)
+    return [[ids[(i * size + j) % len(ids)] for j in range(size)] for i in range(count)]
 
 
 def main() -> None:
@@ -138,7 +147,10 @@ def main() -> None:
     ap.add_argument("--unfused", action="store_true", help="run the decoder layer by layer from Python "
                     "(LlamaModel.fused_decoder = False) to see each part; default: the whole stack in one C call")
     ap.add_argument("--batch-size", type=int, default=1,
-                    help="requests decoded together (the prompts in turn, repeated as needed; EOS ignored above 1)")
+                    help="requests decoded together (the prompts in order; the last batch is filled with the first "
+                         "prompts again; the prefix cache is off, so a repeated prompt is computed again)")
+    ap.add_argument("--ignore-eos", action="store_true",
+                    help="decode every request to --max-tokens (compare batch sizes on the same tokens)")
     ap.add_argument("--out", default="benchmarks/results/step_breakdown")
     args = ap.parse_args()
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
@@ -146,6 +158,14 @@ def main() -> None:
         ap.error(f"--modes takes plain and/or spec, got {args.modes!r}")
 
     cfg = load_config(args.config)
+    if not 1 <= args.batch_size <= cfg.engine.max_batch_size:
+        ap.error(f"--batch-size must be 1 .. engine.max_batch_size ({cfg.engine.max_batch_size}), got {args.batch_size}")
+    if args.max_tokens < 2 or args.prompts_per_category < 1:
+        ap.error("--max-tokens must be at least 2 (the first token comes with the prefill; only later steps are "
+                 "timed) and --prompts-per-category at least 1")
+    # the prefix cache off: a prompt decoded again (a batch filled with repeats, the next mode) computes its
+    # prompt and reads its own KV blocks, as a new request would
+    cfg.engine = cfg.engine.model_copy(update={"enable_prefix_caching": False})
     spec = cfg.speculation
     shape = (args.num_beams or spec.num_beams, args.draft_len_per_beam or spec.draft_len_per_beam)
     # policy fixed: the shape at every batch size up to engine.max_batch_size
@@ -158,13 +178,10 @@ def main() -> None:
     prompts = [p for ps in first_per_category(rows, args.prompts_per_category).values() for p in ps]
     ids = [apply_chat_template(engine.tokenizer, p["messages"]) if "messages" in p
            else engine.tokenizer(p["prompt"])["input_ids"] for p in prompts]
-    if args.batch_size < 1 or args.batch_size > cfg.engine.max_batch_size:
-        ap.error(f"--batch-size must be 1 .. engine.max_batch_size ({cfg.engine.max_batch_size}), got {args.batch_size}")
-    # batches of --batch-size prompts: each prompt once at batch 1, else the prompts in turn
-    batches = ([[p] for p in ids] if args.batch_size == 1
-               else [[ids[(i * args.batch_size + j) % len(ids)] for j in range(args.batch_size)]
-                     for i in range(max(1, len(ids) // args.batch_size))])
-    decode(engine, [ids[0]] * args.batch_size, "plain", 8, timer)  # warm-up
+    if not ids:
+        ap.error(f"no prompts in {args.prompts}")
+    batches = batches_of(ids, args.batch_size)
+    decode(engine, [ids[0]] * args.batch_size, "plain", 8, True, timer)  # warm-up
     timer.total.clear()
     timer.calls.clear()
 
@@ -175,8 +192,11 @@ def main() -> None:
         steps = tokens = 0
         wall = 0.0
         for batch in batches:
-            s, t, w = decode(engine, batch, mode, args.max_tokens, timer)
+            s, t, w = decode(engine, batch, mode, args.max_tokens, args.ignore_eos, timer)
             steps, tokens, wall = steps + s, tokens + t, wall + w
+        if not steps:
+            raise SystemExit(f"{mode}: no decode step was timed (every request ended within its first steps); "
+                             "raise --max-tokens or pass --ignore-eos")
         parts = {k: v / steps * 1e3 for k, v in sorted(timer.total.items(), key=lambda kv: -kv[1])}
         results[mode] = {"steps": steps, "tokens": tokens, "wall_s": wall, "ms_per_step": wall / steps * 1e3,
                          "tokens_per_step": tokens / steps, "tokens_per_s": tokens / wall, "parts_ms_per_step": parts,
@@ -186,12 +206,17 @@ def main() -> None:
         for k, v in parts.items():
             lines.append(f"| {k} | {v:.2f} | {v / (wall / steps * 1e3):.0%} | {timer.calls[k] / steps:.0f} |")
         tables.append("\n".join(lines))
-    header = (f"{'layer by layer (Python)' if args.unfused else 'fused decoder (one C call)'}; compute path {engine.compute_path}, threads {torch.get_num_threads()}, {len(ids)} prompts, batch size {args.batch_size}, max_tokens "
-              f"{args.max_tokens}, spec shape {shape[0]}x{shape[1]}, prompt lookup {spec.prompt_lookup_num_tokens}")
+    policy = engine.thread_policy  # engine.adaptive_threads: each step on the thread count its times favour
+    threads = policy.max_threads if policy is not None else torch.get_num_threads()
+    threads_text = f"up to {threads} (adaptive)" if policy is not None else str(threads)
+    header = (f"{'layer by layer (Python)' if args.unfused else 'fused decoder (one C call)'}; compute path {engine.compute_path}, threads {threads_text}, {len(ids)} prompts, batch size {args.batch_size} ({len(batches)} batches, {len(batches) * args.batch_size - len(ids)} repeated prompts), max_tokens "
+              f"{args.max_tokens}{' (EOS ignored)' if args.ignore_eos else ''}, spec shape {shape[0]}x{shape[1]}, prompt lookup {spec.prompt_lookup_num_tokens}")
     table = header + "\n\n" + "\n\n".join(tables)
     print(table)
-    write_report(args.out, table, {"config": args.config, "compute_path": engine.compute_path, "threads": torch.get_num_threads(),
-                                   "fused_decoder": not args.unfused, "prompts": len(ids), "batch_size": args.batch_size, "max_tokens": args.max_tokens, "shape": list(shape),
+    write_report(args.out, table, {"config": args.config, "compute_path": engine.compute_path, "threads": threads, "adaptive_threads": policy is not None,
+                                   "fused_decoder": not args.unfused, "prompts": len(ids), "batch_size": args.batch_size, "batches": len(batches),
+                                   "repeated_prompts": len(batches) * args.batch_size - len(ids), "ignore_eos": args.ignore_eos,
+                                   "prefix_caching": False, "max_tokens": args.max_tokens, "shape": list(shape),
                                    "modes": results})
 
 
