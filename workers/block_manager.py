@@ -192,6 +192,27 @@ class BlockManager:
         table = torch.tensor(seq.block_table, dtype=torch.long)
         return table[positions // self.block_size] * self.block_size + positions % self.block_size
 
+    def group_slots(self, seqs: list[Sequence], ends: list[int], width: int) -> torch.Tensor:
+        """Cache slots ``[len(seqs), width] long`` of positions ``[0, width)`` of each sequence: row
+        ``i`` holds :meth:`slots` ``(seqs[i], 0, ends[i])`` then the trash slot up to ``width``. One
+        set of tensor operations for a whole attention group (a batch-16 decode step spent ~0.4 ms
+        calling :meth:`slots` per request).
+
+        Raises:
+            IndexError: an end is beyond its sequence's blocks, or ``width`` is below an end.
+        """
+        bs = self.block_size
+        for seq, end in zip(seqs, ends):
+            if end > len(seq.block_table) * bs or end > width:
+                raise IndexError(f"request {seq.request_id}: positions [0, {end}) outside its "
+                                 f"{len(seq.block_table)} blocks of {bs} (or wider than {width})")
+        n_blocks = -(-width // bs)
+        table = torch.tensor([seq.block_table[:n_blocks] + [0] * (n_blocks - min(n_blocks, len(seq.block_table)))
+                              for seq in seqs], dtype=torch.long)
+        positions = torch.arange(width)
+        out = table[:, positions // bs] * bs + positions % bs
+        return out.masked_fill_(positions >= torch.tensor(ends)[:, None], self.trash_slot)
+
 
 def kv_bytes_per_token(config: LlamaConfig, dtype: torch.dtype, tp_size: int = 1) -> int:
     """Keys plus values of one token in every layer on one rank, in bytes.

@@ -201,7 +201,8 @@ class ModelRunner:
             if state.grammar is not None:  # the matcher moves along the accepted path only
                 state.grammar.advance(drafted + [bonus])
             depth = 0 if row.tree is None else int(row.tree.depths[-1])
-            kept = self._kept(node_logits[path], state)  # row path[k] chose the k-th emitted token
+            # row path[k] chose the k-th emitted token (indexed only for logprobs: a [V] row copy per token)
+            kept = self._kept(node_logits[path], state) if state.params.logprobs is not None else None
             forbidden = False
             if row.tree is not None and grammar_rows and row.tree.children[path[-1]]:
                 allowed = grammar_rows[0][path[-1]]
@@ -292,29 +293,32 @@ class ModelRunner:
         for _, same_width in itertools.groupby(rows, key=lambda r: (r.tree is None, r.num_nodes)):
             group = list(same_width)
             width = group[0].num_nodes
-            kv_len = max(r.length + width for r in group)
-            trash = self.blocks.trash_slot
-            g_ids = torch.zeros(len(group), width, dtype=torch.long)
-            g_pos = torch.zeros(len(group), width, dtype=torch.long)
-            g_slots = torch.full((len(group), width), trash, dtype=torch.long)
-            kv_slots = torch.full((len(group), kv_len), trash, dtype=torch.long)
-            mask = torch.zeros(len(group), 1, width, kv_len, dtype=torch.bool)
-            for i, r in enumerate(group):
-                L, m = r.length, r.num_nodes
-                seq_slots = self.blocks.slots(r.seq, 0, L + m)
-                kv_slots[i, : L + m] = seq_slots
-                g_slots[i, :m] = seq_slots[L:]
-                mask[i, 0, :m, :L] = True
-                if r.tree is None:
-                    g_ids[i, 0] = r.seq.output_token_ids[-1]
-                    g_pos[i, 0] = L
-                    mask[i, 0, 0, L] = True
-                else:
+            lengths = [r.length for r in group]
+            kv_len = max(lengths) + width
+            G = len(group)
+            # every request's slots, trash past its own tree, in one set of tensor ops for the group
+            kv_slots = self.blocks.group_slots([r.seq for r in group], [L + r.num_nodes for L, r in zip(lengths, group)],
+                                               kv_len)
+            L_t = torch.tensor(lengths)
+            cols = torch.arange(kv_len)
+            if group[0].tree is None:  # plain rows: the root at position L sees positions 0 .. L
+                g_ids = torch.tensor([r.seq.output_token_ids[-1] for r in group])
+                g_pos = L_t
+                g_slots = kv_slots.gather(1, L_t[:, None]).reshape(-1)
+                mask = (cols <= L_t[:, None])[:, None, None, :]
+            else:
+                g_ids = torch.zeros(G, width, dtype=torch.long)
+                g_pos = torch.zeros(G, width, dtype=torch.long)
+                g_slots = kv_slots.gather(1, L_t[:, None] + torch.arange(width)).reshape(-1)
+                mask = (cols < L_t[:, None])[:, None, None, :].expand(G, 1, width, kv_len).clone()
+                for i, r in enumerate(group):
+                    L, m = r.length, r.num_nodes
                     g_ids[i, :m] = r.tree.tokens
                     g_pos[i, :m] = L + r.tree.depths
                     mask[i, 0, :m, L : L + m] = r.tree.mask
+            for i, r in enumerate(group):
                 row_starts.append(n_rows + i * width)
-                logit_rows.extend(range(n_rows + i * width, n_rows + i * width + m))
+                logit_rows.extend(range(n_rows + i * width, n_rows + i * width + r.num_nodes))
             run = self._run_start(group[0].seq, group[0].length + width) if len(group) == 1 else None
             if run is not None and kv_len != group[0].length + group[0].num_nodes:
                 run = None

@@ -2,18 +2,37 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
+
+from workers.kernels.argmax import argmax_rows
 
 from workers.sampling_params import SamplingParams
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """The argmax of each row of ``logits`` (``[N, V]`` -> ``[N]`` long; ties: the lowest index, as
-    ``torch.argmax``). ``max(dim).indices`` gives the same indices (first maximum, NaN counting as
-    the maximum) about 3x faster than ``argmax(dim)`` on CPU for the vocabulary's width (Xeon, 2
-    threads, 49,152 columns: 21 rows 0.26 against 0.73 ms, 1 row 0.022 against 0.063 ms); every
-    greedy step takes it once per request."""
+    ``torch.argmax``; NaN counts as the maximum). On float32 CPU logits with rdserve's C kernels
+    loaded, ``workers/kernels/argmax.c`` (the same indices, ~10x faster on a batch of rows); else
+    ``max(dim).indices``, about 3x faster than ``argmax(dim)`` on CPU for the vocabulary's width
+    (Xeon, 2 threads, 49,152 columns: 21 rows 0.26 against 0.73 ms). Every greedy step takes it."""
+    isa = _argmax_isa()
+    if isa is not None and logits.dim() == 2 and logits.dtype == torch.float32 and logits.is_cpu \
+            and logits.is_contiguous() and logits.shape[1]:
+        return argmax_rows(isa, logits)
     return logits.max(dim=-1).indices
+
+
+@functools.cache
+def _argmax_isa() -> str | None:
+    """The C kernels' build when they load here (the first call decides, for the process), else None."""
+    from workers.kernels import build
+
+    try:
+        return build.load()
+    except build.KernelUnavailable:
+        return None
 
 
 def adjusted_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -55,6 +55,23 @@ def test_slots_follow_the_block_table():
         bm.slots(a, 8, 13)
 
 
+def test_group_slots_are_each_requests_slots_then_trash():
+    bm = BlockManager(num_blocks=16, block_size=4)
+    a, b, c = seq("a"), seq("b"), seq("c")
+    bm.allocate(a, 4)
+    bm.allocate(b, 9)
+    bm.allocate(a, 13)  # a's blocks are not consecutive
+    bm.allocate(c, 2)
+    got = bm.group_slots([a, b, c], [13, 9, 1], 15)
+    assert got.shape == (3, 15) and got.dtype == torch.long
+    for row, (s, end) in zip(got.tolist(), [(a, 13), (b, 9), (c, 1)]):
+        assert row == bm.slots(s, 0, end).tolist() + [bm.trash_slot] * (15 - end)
+    with pytest.raises(IndexError, match="outside its 1 blocks"):
+        bm.group_slots([c], [5], 8)
+    with pytest.raises(IndexError, match="wider than 4"):
+        bm.group_slots([a], [5], 4)
+
+
 def test_free_returns_blocks_and_rejects_double_or_foreign_free():
     bm = BlockManager(num_blocks=4, block_size=2)
     a, b = seq("a"), seq("b")

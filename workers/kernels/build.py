@@ -51,7 +51,7 @@ log = logging.getLogger(__name__)
 HERE = Path(__file__).parent
 SOURCES = [HERE / "packed_gemm.c", HERE / "q4_1_gemm.c", HERE / "q8_0_gemm.c", HERE / "q4_1_vnni.c",
            HERE / "q8_0_vnni.c", HERE / "int8_amx.c", HERE / "int8_avx2.c", HERE / "rms_norm.c", HERE / "decode_attention.c", HERE / "rope_kv.c", HERE / "decoder.c",
-           HERE / "drafter.c"]
+           HERE / "drafter.c", HERE / "argmax.c"]
 HEADERS = [HERE / "simd.h", HERE / "panel_gemm.h", HERE / "vnni_gemm.h", HERE / "amx_gemm.h", HERE / "int8_linear.h", HERE / "linear_dispatch.h"]
 INT8_ENTRIES = ("rd_linear_q4_1_vnni", "rd_linear_q8_0_vnni", "rd_linear_q4_1_amx", "rd_linear_q8_0_amx",
                 "rd_linear_q4_1_int8_avx2", "rd_linear_q8_0_int8_avx2")
@@ -283,6 +283,8 @@ def _load_once(isa: str) -> tuple[ctypes.CDLL | None, KernelUnavailable | None]:
     P, L, F = ctypes.c_void_p, ctypes.c_long, ctypes.c_float
     lib.rd_rms_norm.argtypes = [P] * 4 + [L] * 2 + [F]
     lib.rd_rms_norm.restype = None
+    lib.rd_argmax_rows.argtypes = [P, L, L, P]
+    lib.rd_argmax_rows.restype = None
     lib.rd_decode_attention.argtypes = [P, L, P, P, P, L, P, P] + [L] * 6 + [F, L]
     lib.rd_decode_attention.restype = ctypes.c_int
     lib.rd_rope_write_kv.argtypes = [P] * 7 + [L] * 5
