@@ -142,7 +142,10 @@ class AsyncEngine:
         target = self._sinks.get(rid)
         if target is not None:
             loop, sink = target
-            loop.call_soon_threadsafe(sink.put_nowait, item)
+            try:
+                loop.call_soon_threadsafe(sink.put_nowait, item)
+            except RuntimeError:  # its event loop was closed: nobody will read it
+                self._orphaned([rid])
 
     def _deliver_all(self, deltas) -> None:
         """Hand each delta to its request's consumer: one wake-up per event loop for the whole
@@ -154,7 +157,20 @@ class AsyncEngine:
             if target is not None:
                 by_loop.setdefault(target[0], []).append((target[1], d))
         for loop, pairs in by_loop.items():
-            loop.call_soon_threadsafe(_put_all, pairs)
+            try:
+                loop.call_soon_threadsafe(_put_all, pairs)
+            except RuntimeError:  # that event loop was closed: its consumers are gone, the others still get theirs
+                self._orphaned([r for r, (lp, _) in self._sinks.items() if lp is loop])
+
+    def _orphaned(self, rids: list[str]) -> None:
+        """On the engine thread: requests whose consumer's event loop closed without ending them (a
+        worker shutting down) are dropped and aborted, so the thread neither dies on them nor decodes
+        them for nobody."""
+        for rid in rids:
+            self._sinks.pop(rid, None)
+            engine = getattr(self, "engine", None)
+            if engine is not None:
+                engine.abort(rid)
 
     def _queued(self):
         """The queued commands, oldest first, each taken off the queue as it is yielded."""

@@ -213,3 +213,44 @@ def test_a_failing_iteration_leaves_its_finished_requests_to_the_failure_handlin
         assert async_engine.engine.blocks.num_free_blocks == async_engine.engine.blocks.num_blocks
     finally:
         async_engine.shutdown()
+
+
+def test_a_closed_event_loop_drops_its_request_and_the_others_go_on(tiny_model_dirs):
+    """A consumer whose event loop closed without ending its request (a worker shutting down) must not
+    kill the engine thread: its request is dropped and aborted; a consumer on another loop, and one
+    started after, still get every delta, in order."""
+    import asyncio
+
+    from workers.async_engine import AsyncEngine
+    from workers.engine_builder import load_engine
+    from workers.sampling_params import SamplingParams
+
+    engine = AsyncEngine(lambda: load_engine(str(tiny_model_dirs["tied_gqa2"]), None, num_threads=1, max_seq_len=64,
+                                             num_kv_blocks=64, tokens_per_block=4))
+    try:
+        async def start_and_leave():  # take one delta, then the loop closes with the generator still open
+            gen = engine.generate([5, 6, 7], SamplingParams(max_tokens=40, ignore_eos=True), "plain", request_id="ghost")
+            await gen.__anext__()
+            return gen
+
+        dead = asyncio.new_event_loop()
+        left_open = dead.run_until_complete(start_and_leave())
+        dead.close()
+
+        async def full(rid):
+            return [d async for d in engine.generate([5, 6, 7], SamplingParams(max_tokens=12, ignore_eos=True),
+                                                     "plain", request_id=rid)]
+
+        async def both():
+            return await asyncio.wait_for(asyncio.gather(full("live1"), full("live2")), 60)  # a dead thread hung them
+
+        runs = asyncio.run(both())
+        for out in runs:
+            assert out[-1].finished and out[-1].completion_tokens == 12
+            assert [d.completion_tokens for d in out] == sorted(d.completion_tokens for d in out)
+        assert engine.alive and engine.failure is None
+        assert "ghost" not in engine._sinks
+        assert engine.engine.num_unfinished == 0  # the orphaned request was aborted, not decoded for nobody
+        del left_open
+    finally:
+        engine.shutdown()

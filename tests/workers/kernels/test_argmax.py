@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from workers.kernels.argmax import argmax_rows
+from workers import sampling
 from workers.sampling import greedy_tokens
 
 
@@ -26,7 +27,13 @@ def cases(rows: int, n: int, seed: int) -> list[torch.Tensor]:
     neg = torch.full((rows, n), float("-inf"))  # all -inf: index 0
     mixed = torch.full((rows, n), float("-inf"))
     mixed[:, n - 1] = -1e30
-    return [x, ties, rounded, nan, inf, neg, mixed]
+    zeros = torch.full((rows, n), -1.0)  # -0.0 and 0.0 compare equal: the first of either wins
+    zeros[:, n // 3] = -0.0
+    zeros[:, n - 1] = 0.0
+    tiny = torch.full((rows, n), -1.0)  # denormals are numbers, not zero (no flush to zero)
+    tiny[:, 0] = 0.0
+    tiny[:, n - 1] = 1e-40
+    return [x, ties, rounded, nan, inf, neg, mixed, zeros, tiny]
 
 
 @pytest.mark.parametrize("rows,n", [(1, 49152), (16, 49152), (3, 7), (5, 16), (2, 17), (4, 33), (1, 1)])
@@ -35,9 +42,15 @@ def test_same_indices_as_torch_max(rows, n, isa):
         assert torch.equal(argmax_rows(isa, x), x.max(dim=-1).indices), f"case {i}"
 
 
-def test_greedy_tokens_takes_the_kernel_and_falls_back_for_other_tensors():
+def test_greedy_tokens_takes_the_kernel_and_falls_back_for_other_tensors(monkeypatch):
     x = torch.randn(4, 1000)
     assert torch.equal(greedy_tokens(x), x.argmax(dim=-1))
+    calls = []
+    monkeypatch.setattr(sampling, "argmax_rows", lambda isa, t: calls.append(isa) or t.max(dim=-1).indices)
+    greedy_tokens(x)
+    assert calls, "float32 CPU logits should take the C kernel"
+    greedy_tokens(x.double())
+    assert len(calls) == 1, "float64 logits go to torch"
     assert torch.equal(greedy_tokens(x.t().contiguous().t()), x.argmax(dim=-1))  # not contiguous: torch
     assert torch.equal(greedy_tokens(x.double()), x.argmax(dim=-1))  # float64: torch
 
