@@ -102,6 +102,9 @@ class Engine:
         self.prefill_dtype, self.decode_activations = compute.prefill_dtype, compute.decode_activations
         self.device, self.thread_policy = torch.device(options.device), thread_policy
         self.runner = ModelRunner(executor, blocks, drafter, lookup, speculation.draft_search)
+        # one CPU process with a bfloat16 prefill: an iteration's prompt chunks and decode rows in two
+        # forwards, so the decode rows keep the fused C decoder (ModelRunner._forward_apart)
+        self.runner.split_mixed = self.device.type == "cpu" and options.tp_size == 1 and self.prefill_dtype == "bfloat16"
         self.scheduler = Scheduler(SchedulerConfig(options.max_batch_size, options.max_num_tokens,
                                                    options.max_prefill_chunk, max_seq_len,
                                                    lookup.longest if lookup else 0), blocks)

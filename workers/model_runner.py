@@ -115,6 +115,8 @@ class ModelRunner:
         self.drafter = drafter
         self.lookup = lookup
         self.device = executor.device
+        # prompt chunks and decode rows of one iteration in two forwards (see run); the engine turns it on
+        self.split_mixed = False
 
     def max_draft_depth(self, spec_shape: tuple[int, int]) -> int:
         """Deepest tree a step of ``spec_shape`` may draft (the prompt-lookup beam may be longer)."""
@@ -139,8 +141,11 @@ class ModelRunner:
         """
         rows = self._draft(generation, spec_shape, draft_limits or {})
         rows = sorted(rows, key=lambda r: -r.num_nodes)  # widest first; equal widths are adjacent (stable)
-        batch, logit_rows, last_rows, row_starts, prompt_rows = self._pack(context, rows)
-        hidden = self.executor.forward(batch.to(self.device) if self.device.type != "cpu" else batch)
+        if self.split_mixed and context and rows:
+            hidden, logit_rows, last_rows, row_starts, prompt_rows = self._forward_apart(context, rows)
+        else:
+            batch, logit_rows, last_rows, row_starts, prompt_rows = self._pack(context, rows)
+            hidden = self.executor.forward(batch.to(self.device) if self.device.type != "cpu" else batch)
         logits = self.executor.logits(hidden[logit_rows]) if logit_rows else None
         results, copies_src, copies_dst = [], [], []
         cursor = 0  # row of ``logits``
@@ -212,6 +217,26 @@ class ModelRunner:
         if copies_src:
             self.executor.copy_slots(torch.cat(copies_src).to(self.device), torch.cat(copies_dst).to(self.device))
         return results
+
+    def _forward_apart(self, context, rows: list[_GenRow]):
+        """An iteration's prompt chunks and its decode rows (plain and trees) in two forwards, hidden
+        states concatenated in :meth:`_pack`'s order; returns what ``_pack`` does, with the hidden
+        states in place of the batch.
+
+        On the CPU with a bfloat16 prefill, prompt rows take the bfloat16 GEMMs and decode rows the
+        int8 kernels; together they run the decoder layer by layer from Python, while decode rows
+        alone run the fused C decoder (:mod:`workers.kernels.decoder`). Each weight is still read
+        once per iteration (the two paths read different copies), and every row gets the same bits
+        either way: a prompt row is computed the same whatever its chunk, a decode row whatever its
+        group, and no row reads another request's cache (at 16 concurrent requests of 64 tokens, a
+        quarter of iterations carry a new prompt and all took the slow path)."""
+        batch, logit_rows, last_rows, _, prompt_rows = self._pack(context, [])
+        hidden_ctx = self.executor.forward(batch)
+        gen_batch, gen_logit_rows, _, row_starts, _ = self._pack([], rows)
+        hidden_gen = self.executor.forward(gen_batch)
+        n = hidden_ctx.shape[0]
+        return (torch.cat([hidden_ctx, hidden_gen]), logit_rows + [r + n for r in gen_logit_rows], last_rows,
+                [r + n for r in row_starts], prompt_rows)
 
     def _draft(self, generation: list[Sequence], spec_shape, limits: dict[str, int]) -> list[_GenRow]:
         rows = [_GenRow(seq, None, seq.num_computed_tokens) for seq in generation]

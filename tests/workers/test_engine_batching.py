@@ -105,9 +105,14 @@ def test_greedy_output_does_not_depend_on_the_batch(tiny_model_dirs, trained_dra
     reqs = random_requests(rng, 24, len(engine.tokenizer))
     want = {r["id"]: alone(engine, r) for r in reqs}
     log = PlanLog(engine)
+    # with the bfloat16 prefill, mixed iterations run prompt chunks and decode rows in two forwards
+    assert engine.runner.split_mixed == (prefill == "bfloat16")
+    apart, forward_apart = [], engine.runner._forward_apart
+    engine.runner._forward_apart = lambda *a: apart.append(1) or forward_apart(*a)
     for order_seed in range(3):
         got, _ = run_mixed(engine, reqs, random.Random(order_seed))
         assert got == want, f"arrival order {order_seed}"
+    assert bool(apart) == (prefill == "bfloat16")
     blocks = engine.blocks
     assert blocks.num_free_blocks == blocks.num_blocks
     for kind in ("context only", "generation only", "mixed phases", "spec and plain together"):
@@ -246,3 +251,29 @@ def test_int8_activations_and_lookup_settings_fail_clearly(tiny_model_dirs, trai
         make_engine(tiny_model_dirs, trained_drafter_dirs, "tied_gqa2", prompt_lookup_num_tokens=-1)
     with pytest.raises(ValueError, match="speculation.prompt_lookup_max_num_tokens: set, but speculation.prompt_lookup_num_tokens is 0"):
         make_engine(tiny_model_dirs, trained_drafter_dirs, "tied_gqa2", prompt_lookup_max_num_tokens=8)
+
+
+def test_prompt_chunks_and_decode_rows_apart_give_the_joint_forwards_bits(tiny_model_dirs, trained_drafter_dirs):
+    """With the bfloat16 prefill a mixed iteration runs its prompt chunks and decode rows in two forwards
+    (``ModelRunner._forward_apart``): every hidden state the step reads (logit rows, each request's
+    last prompt row, each tree's first row, where the drafter takes its context) must be the joint
+    forward's, bit for bit, at the same index."""
+    engine = make_engine(tiny_model_dirs, trained_drafter_dirs, "tied_gqa2@gguf", prefill_dtype="bfloat16")
+    runner = engine.runner
+    assert runner.split_mixed
+    apart, checked = runner._forward_apart, []
+
+    def both(context, rows):
+        hidden, logit_rows, last_rows, row_starts, prompt_rows = apart(context, rows)
+        batch, j_logit_rows, j_last_rows, j_row_starts, j_prompt_rows = runner._pack(context, rows)
+        joint = runner.executor.forward(batch)  # rewrites the same cache slots with the same values
+        assert (logit_rows, last_rows, row_starts, prompt_rows) == (j_logit_rows, j_last_rows, j_row_starts, j_prompt_rows)
+        read = sorted(set(logit_rows) | set(last_rows) | set(row_starts))
+        assert torch.equal(hidden[read], joint[read])
+        checked.append(len(rows))
+        return hidden, logit_rows, last_rows, row_starts, prompt_rows
+
+    runner._forward_apart = both
+    reqs = random_requests(random.Random(11), 16, len(engine.tokenizer))
+    run_mixed(engine, reqs, random.Random(1))
+    assert len(checked) >= 3, f"only {len(checked)} mixed iterations"
