@@ -1,0 +1,123 @@
+"""Iterations that carry a new prompt chunk beside decode rows: one forward vs two, in process.
+
+With the bfloat16 prefill (the default on CPUs with AMX or AVX512-BF16), prompt rows take bfloat16
+GEMMs and decode rows the int8 kernels. One forward over both runs the decoder layer by layer from
+Python; two forwards in the same iteration (``ModelRunner._forward_apart``, the engine's default
+there) keep the decode rows on the fused C decoder. Both give the same bits; this measures the
+throughput: ``c`` clients in a closed loop (a new request the moment one ends, so iterations mix
+prompt chunks and decode rows as served traffic does), the same engine switching
+``engine.runner.split_mixed`` off and on, round after round, so machine drift hits both alike.
+
+Usage:
+    python benchmarks/mixed_iterations.py --config configs/local.yaml --prompts ../shared/datasets/broad/dev.jsonl \\
+        --concurrency 4,16 --num-requests 48 --max-tokens 64 --rounds 3 --out benchmarks/results/mixed_iterations
+(prints a Markdown table naming the CPU and compute path, writes JSON)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from bench_report import write_report
+
+from cluster.config import load_config
+from cluster.replica.build import build_engine
+from workers.kernels.build import cpu_model
+from workers.models.tokenizer import apply_chat_template
+from workers.sampling_params import SamplingParams
+from workers.training.prompt_sources import first_per_category
+
+
+def closed_loop(engine, ids: list[list[int]], num_requests: int, concurrency: int, mode: str, max_tokens: int,
+                ignore_eos: bool, tag: str) -> float:
+    """Output tokens/s of ``num_requests`` requests, ``concurrency`` in flight, each added when one ends."""
+    issued = done = tokens = 0
+    live: set[str] = set()
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos)
+    t0 = time.perf_counter()
+    while done < num_requests:
+        while len(live) < concurrency and issued < num_requests:
+            rid = f"{tag}-{issued}"
+            engine.add_request(rid, ids[issued % len(ids)], params, mode)
+            live.add(rid)
+            issued += 1
+        for d in engine.step():
+            tokens += len(d.token_ids)
+            if d.finished:
+                live.discard(d.request_id)
+                done += 1
+    return tokens / (time.perf_counter() - t0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default="configs/local.yaml")
+    ap.add_argument("--prompts", required=True, help="JSONL chat prompts ('messages', optional 'category')")
+    ap.add_argument("--prompts-per-category", type=int, default=8)
+    ap.add_argument("--concurrency", default="4,16", help="comma-separated client counts")
+    ap.add_argument("--num-requests", type=int, default=48, help="requests per measurement")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--mode", choices=("plain", "spec"), default="plain")
+    ap.add_argument("--stop-at-eos", action="store_true", help="end answers at EOS (default: every answer runs "
+                    "to --max-tokens, so both ways decode the same tokens)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out", default="benchmarks/results/mixed_iterations")
+    args = ap.parse_args()
+    try:
+        levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
+    except ValueError:
+        ap.error(f"--concurrency takes comma-separated integers, got {args.concurrency!r}")
+    if not levels or min(levels) < 1 or args.num_requests < 1 or args.rounds < 1 or args.max_tokens < 1:
+        ap.error("--concurrency, --num-requests, --rounds and --max-tokens must be positive")
+
+    cfg = load_config(args.config)
+    # the prefix cache off: a prompt sent again is prefilled again, so every round mixes the same way
+    cfg.engine = cfg.engine.model_copy(update={"enable_prefix_caching": False})
+    engine = build_engine(cfg)
+    if not engine.runner.split_mixed:
+        print(f"note: this engine runs mixed iterations as one forward (compute path {engine.compute_path}, prefill "
+              f"{engine.prefill_dtype}): both columns measure the same thing here", file=sys.stderr)
+    rows = [json.loads(line) for line in Path(args.prompts).read_text().splitlines() if line.strip()]
+    prompts = [p for ps in first_per_category(rows, args.prompts_per_category).values() for p in ps if "messages" in p]
+    if not prompts:
+        ap.error(f"no chat prompts ('messages') in {args.prompts}")
+    ids = [apply_chat_template(engine.tokenizer, p["messages"]) for p in prompts]
+    default = engine.runner.split_mixed
+    ignore_eos = not args.stop_at_eos
+    for c in levels:  # warm-up, uncounted
+        closed_loop(engine, ids, min(args.num_requests, 2 * c), c, args.mode, 8, ignore_eos, f"warm{c}")
+    runs: dict[str, dict[str, list[float]]] = {}
+    try:
+        for rnd in range(args.rounds):
+            for c in levels:
+                for split in (False, True):
+                    engine.runner.split_mixed = split
+                    tps = closed_loop(engine, ids, args.num_requests, c, args.mode, args.max_tokens, ignore_eos,
+                                      f"r{rnd}c{c}{split}")
+                    runs.setdefault(str(c), {}).setdefault("apart" if split else "joint", []).append(tps)
+                    print(f"round {rnd + 1}, {c} concurrent, {'two forwards' if split else 'one forward'}: "
+                          f"{tps:.1f} tok/s", flush=True)
+    finally:
+        engine.runner.split_mixed = default
+    head = (f"CPU {cpu_model()}, compute path {engine.compute_path}, prefill {engine.prefill_dtype}; "
+            f"{args.num_requests} requests x {args.max_tokens} tokens ({'EOS ends answers' if args.stop_at_eos else 'EOS ignored'}), "
+            f"mode {args.mode}, closed loop, median of {args.rounds} alternating rounds")
+    lines = [head, "", "| concurrency | one forward tok/s | two forwards tok/s | two / one |", "|---|---|---|---|"]
+    table = {}
+    for c, r in runs.items():
+        joint, apart = statistics.median(r["joint"]), statistics.median(r["apart"])
+        table[c] = {"joint": r["joint"], "apart": r["apart"], "ratio": apart / joint}
+        lines.append(f"| {c} | {joint:.1f} | {apart:.1f} | {apart / joint:.2f}x |")
+    text = "\n".join(lines)
+    print(text)
+    write_report(args.out, text, {"command": sys.argv, "cpu": cpu_model(), "compute_path": engine.compute_path,
+                                  "prefill_dtype": engine.prefill_dtype, "results": table})
+
+
+if __name__ == "__main__":
+    main()
