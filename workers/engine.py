@@ -207,6 +207,7 @@ class Engine:
         if self.blocks.enable_prefix_caching:
             seq.block_hashes = block_hashes(seq.prompt_token_ids, self.blocks.block_size, params.cache_salt)
         if params.prompt_logprobs is not None:  # the first token's entry has no logprob: nothing predicts it
+            seq.match_prefix = False  # every prompt position computed, so each gets its logprob
             seq.prompt_logprobs = [TokenLogprob(prompt_ids[0], *self.token_text(prompt_ids[0]), None, 0)] \
                 + [None] * (n_prompt - 1)
         seq.spec_state = self.spec_policy.new_request_state()

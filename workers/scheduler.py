@@ -220,7 +220,7 @@ class Scheduler:
         if tokens_left < 1 or plan.num_seqs >= self.config.max_batch_size:
             return False
         bm = self.block_manager
-        matched = seq.status is SequenceStatus.WAITING and not seq.block_table and seq.block_hashes
+        matched = seq.status is SequenceStatus.WAITING and not seq.block_table and seq.block_hashes and seq.match_prefix
         if matched:  # prefix cache: its longest cached chain, at least one context token left to compute
             seq.num_computed_tokens = bm.match_prefix(seq, seq.block_hashes, seq.num_context_tokens - 1)
         start = seq.num_computed_tokens

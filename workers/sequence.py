@@ -83,6 +83,9 @@ class Sequence:
         slots for ``lookup.length``.
     block_hashes: chain hashes of the prompt's full blocks (:mod:`workers.prefix_hash`), for the
         prefix cache; set by the engine when it queues the request (empty with caching off).
+    match_prefix: whether the request may start from cached blocks (False for a request that asked for
+        prompt logprobs: a cached position is never computed, so it would have no logprob; vLLM does
+        the same). Its computed blocks still enter the cache for others.
     cached_tokens: prompt tokens taken from the prefix cache at the request's first admission
         (OpenAI's ``usage.prompt_tokens_details.cached_tokens``); None before it was admitted.
     prompt_logprobs: for a request that asked for them, one ``TokenLogprob`` per prompt token (None
@@ -109,6 +112,7 @@ class Sequence:
     lookup: LookupState = field(default_factory=LookupState)
     prompt_logprobs: list | None = None
     block_hashes: list[bytes] = field(default_factory=list)
+    match_prefix: bool = True
     cached_tokens: int | None = None
 
     def __post_init__(self):

@@ -184,3 +184,20 @@ def test_prompt_rows_do_not_depend_on_the_chunking(tiny_model_dirs):
         first = next(engine.generate(prompt, SamplingParams(max_tokens=1, prompt_logprobs=0), "plain"))
         values.append([e.logprob for e in first.prompt_logprobs[1:]])
     assert values[0] == values[1]
+
+
+def test_prompt_logprobs_compute_every_prompt_position_despite_a_cached_prefix(engines):
+    """A request asking for prompt logprobs does not start from cached blocks (a cached position is
+    never computed, so it had no logprob and the API failed on it): every entry is there, equal to
+    the entries without caching, and its cached_tokens is 0; a request without them still hits."""
+    prompt = [random.Random(5).randrange(3, 300) for _ in range(40)]
+    cold = engines("tied_gqa2", False)
+    want = next(cold.generate(prompt, SamplingParams(max_tokens=1, prompt_logprobs=1), "plain", "cold")).prompt_logprobs
+    engine = engines("tied_gqa2", True)
+    list(engine.generate(prompt, SamplingParams(max_tokens=2), "plain", "warm"))  # its blocks enter the cache
+    first = next(engine.generate(prompt, SamplingParams(max_tokens=1, prompt_logprobs=1), "plain", "asks"))
+    assert first.cached_tokens == 0
+    assert all(e is not None for e in first.prompt_logprobs)
+    assert [(e.token_id, e.logprob) for e in first.prompt_logprobs] == [(e.token_id, e.logprob) for e in want]
+    again = next(engine.generate(prompt, SamplingParams(max_tokens=1), "plain", "plain-again"))
+    assert again.cached_tokens > 0
