@@ -71,9 +71,22 @@ def main() -> None:
     try:
         levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
     except ValueError:
+        levels = []
+    if not levels:
         ap.error(f"--concurrency takes comma-separated integers, got {args.concurrency!r}")
     if not levels or min(levels) < 1 or args.num_requests < 1 or args.rounds < 1 or args.max_tokens < 1:
         ap.error("--concurrency, --num-requests, --rounds and --max-tokens must be positive")
+
+    try:  # the prompts first: a bad file fails before the model loads
+        rows = [json.loads(line) for line in Path(args.prompts).read_text().splitlines() if line.strip()]
+    except (OSError, json.JSONDecodeError) as err:
+        ap.error(f"--prompts {args.prompts}: {err}")
+    chats = [r for r in rows if isinstance(r, dict) and isinstance(r.get("messages"), list)]
+    if not chats:
+        ap.error(f"no chat prompts (rows with a 'messages' list) in {args.prompts}")
+    if len(chats) < len(rows):
+        print(f"note: {len(rows) - len(chats)} of {len(rows)} rows have no 'messages' list and are left out",
+              file=sys.stderr)
 
     cfg = load_config(args.config)
     # the prefix cache off: a prompt sent again is prefilled again, so every round mixes the same way
@@ -82,10 +95,7 @@ def main() -> None:
     if not engine.runner.split_mixed:
         print(f"note: this engine runs mixed iterations as one forward (compute path {engine.compute_path}, prefill "
               f"{engine.prefill_dtype}): both columns measure the same thing here", file=sys.stderr)
-    rows = [json.loads(line) for line in Path(args.prompts).read_text().splitlines() if line.strip()]
-    prompts = [p for ps in first_per_category(rows, args.prompts_per_category).values() for p in ps if "messages" in p]
-    if not prompts:
-        ap.error(f"no chat prompts ('messages') in {args.prompts}")
+    prompts = [p for ps in first_per_category(chats, args.prompts_per_category).values() for p in ps]
     ids = [apply_chat_template(engine.tokenizer, p["messages"]) for p in prompts]
     default = engine.runner.split_mixed
     ignore_eos = not args.stop_at_eos
