@@ -28,12 +28,15 @@ up: install
 	$(BIN)/rdserve up --config configs/local.yaml
 
 # The metrics tests (tests/cluster/observability) run Debian's prometheus and promtool: installed here
-# when missing, and required by the tests (they fail rather than skip without them).
+# when missing (waiting up to 5 minutes while another apt run holds its locks), and required by the tests (they fail rather
+# than skip without them).
 prometheus:
 	@command -v prometheus >/dev/null && command -v promtool >/dev/null || { \
 	  echo "installing Debian's prometheus package (the metrics tests run prometheus and promtool)"; \
 	  SUDO=$$([ "$$(id -u)" -eq 0 ] || echo sudo); \
-	  $$SUDO apt-get update -qq && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus; }
+	  for try in 1 2 3 4 5 6 7 8 9 10; do $$SUDO apt-get update -qq && break; \
+	    [ $$try = 10 ] && exit 1; echo "apt-get update failed (another apt run holds its lock?); retrying in 30 s"; sleep 30; done; \
+	  $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=300 install -y -qq --no-install-recommends prometheus; }
 
 test: install prometheus
 	$(BIN)/rdserve model pull
