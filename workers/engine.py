@@ -19,7 +19,7 @@ import secrets
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -48,13 +48,16 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class ComputePath:
     """What the engine computes on: its name (:mod:`workers.compute_path`, e.g. ``gguf-avx512-int8``),
-    the GGUF weights in use (None: the model's dense weights), and the prompt and decode activation
-    dtypes (``"float32"``/``"bfloat16"``, ``"float32"``/``"int8"``)."""
+    the GGUF weights in use (None: the model's dense weights), the prompt and decode activation
+    dtypes (``"float32"``/``"bfloat16"``, ``"float32"``/``"int8"``), and what else its step times
+    depend on (:func:`workers.speculation.policy.step_time_conditions`: KV cache dtype, threads), as
+    ``rdserve calibrate`` records them."""
 
     name: str
     weights: object | None
     prefill_dtype: str
     decode_activations: str
+    step_conditions: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -100,6 +103,7 @@ class Engine:
         self.options, self.speculation, self.max_seq_len = options, speculation, max_seq_len
         self.compute_path, self.weights = compute.name, compute.weights
         self.prefill_dtype, self.decode_activations = compute.prefill_dtype, compute.decode_activations
+        self.step_conditions = dict(compute.step_conditions)  # what rdserve calibrate records beside the path
         self.device, self.thread_policy = torch.device(options.device), thread_policy
         self.runner = ModelRunner(executor, blocks, drafter, lookup, speculation.draft_search)
         # one CPU process with a bfloat16 prefill: an iteration's prompt chunks and decode rows in two

@@ -26,7 +26,7 @@ from workers.models.tokenizer import load_tokenizer
 from workers.redrafter.drafter import load_drafter
 from workers.redrafter.prompt_lookup import PromptLookup
 from workers.speculation.options import SpeculationOptions
-from workers.speculation.policy import SelectedPolicy, SpecPolicy, select_policy
+from workers.speculation.policy import SelectedPolicy, SpecPolicy, select_policy, step_time_conditions
 from workers.thread_policy import ThreadPolicy
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -90,7 +90,6 @@ def load_engine(model_path: str, drafter_path: str | None = None, options: Engin
         isa = "amx" if best_int8_kernel() == "amx" else isa  # the kernel use_int8_activations chose
     name = compute_path_name(device.type, "gguf" if weights is not None and weights.quantized else opts.dtype, isa,
                              decode == "int8")
-    compute = ComputePath(name, weights, prefill, decode)
     # only on rdserve's C kernels, whose results are the same on any thread count (torch's GEMM's
     # need not be, and a request's steps would then depend on the counts chosen)
     on_kernels = device.type == "cpu" and not name.endswith("-torch")
@@ -108,10 +107,12 @@ def load_engine(model_path: str, drafter_path: str | None = None, options: Engin
     lookup = None if spec.prompt_lookup_num_tokens == 0 else PromptLookup(
         spec.prompt_lookup_min, spec.prompt_lookup_max, spec.prompt_lookup_num_tokens, spec.prompt_lookup_max_num_tokens)
     max_seq_len = min(opts.max_seq_len, model.config.max_position_embeddings)
-    selected = SelectedPolicy(spec_policy, "given") if spec_policy is not None \
-        else select_policy(spec, name, opts.max_batch_size)
-    log.info("speculation policy: %s (compute path %s)", selected.source, name)
     kv_dtype = dtype if opts.kv_cache_dtype == "auto" else DTYPES[opts.kv_cache_dtype]
+    conditions = step_time_conditions(str(kv_dtype).removeprefix("torch."), torch.get_num_threads())
+    selected = SelectedPolicy(spec_policy, "given") if spec_policy is not None \
+        else select_policy(spec, name, opts.max_batch_size, conditions)
+    log.info("speculation policy: %s (compute path %s)", selected.source, name)
+    compute = ComputePath(name, weights, prefill, decode, conditions)
     kv_size = _size_cache(model.config, kv_dtype, opts, max_seq_len, selected.policy, lookup, device)
     log.info("%s", kv_size)
     blocks = BlockManager(kv_size.num_blocks, opts.tokens_per_block, opts.enable_prefix_caching)

@@ -149,7 +149,7 @@ def calibrate(
     console.print(f"compute path: {engine.compute_path}")
     replaced = out.exists()
     out.write_text(json.dumps({
-        "compute_path": engine.compute_path, "code_version": code_version(),
+        "compute_path": engine.compute_path, "code_version": code_version(), **engine.step_conditions,
         "draft_search": engine.speculation.draft_search,
         "prompt_lookup_num_tokens": engine.lookup.num_tokens if engine.lookup else 0,
         "batch_sizes": batches, "context_len": context_len, "repeats": repeats,

@@ -78,8 +78,10 @@ class SelectedPolicy:
     measure_at_start: bool = False
 
 
-def select_policy(opts: SpeculationOptions, compute_path: str, max_batch_size: int) -> SelectedPolicy:
-    """The policy for an engine on ``compute_path``.
+def select_policy(opts: SpeculationOptions, compute_path: str, max_batch_size: int,
+                  conditions: dict | None = None) -> SelectedPolicy:
+    """The policy for an engine on ``compute_path``; ``conditions``: what else its step times depend on
+    (:func:`step_time_conditions`), compared with what a calibration file records.
 
     Order: the path's ``by_compute_path`` entry (its calibration, which needs policy auto, or its
     table); then policy ``auto`` with ``calibration``; ``auto`` without one for this path decodes
@@ -93,11 +95,11 @@ def select_policy(opts: SpeculationOptions, compute_path: str, max_batch_size: i
     field = f"speculation.by_compute_path.{compute_path}"
     shape = DraftShape(opts.num_beams, opts.draft_len_per_beam)
     if entry is not None and entry.calibration is not None:
-        return _controller(opts, entry.calibration, compute_path, f"{field}.calibration")
+        return _controller(opts, entry.calibration, compute_path, f"{field}.calibration", conditions)
     if entry is not None:
         return _table(entry.table, f"{field}.table", follows_load=True)
     if opts.policy == "auto" and opts.calibration is not None:
-        return _controller(opts, opts.calibration, compute_path, "speculation.calibration")
+        return _controller(opts, opts.calibration, compute_path, "speculation.calibration", conditions)
     if opts.policy == "auto":
         log.warning("speculation.policy 'auto': no calibration and no by_compute_path table for compute path %s; "
                     "speculating with %s at batch 1 only. Run `rdserve calibrate` on this machine", compute_path, shape)
@@ -114,7 +116,8 @@ def _table(table: SpecSchedule, source: str, follows_load: bool = False) -> Sele
     return SelectedPolicy(TablePolicy(table), source, largest_speculating_batch(table) if follows_load else None)
 
 
-def _controller(opts: SpeculationOptions, path, compute_path: str, field: str) -> SelectedPolicy:
+def _controller(opts: SpeculationOptions, path, compute_path: str, field: str,
+                conditions: dict | None = None) -> SelectedPolicy:
     """The live goodput model seeded from calibration ``path``; a file of another compute path or code
     version seeds it only until the start-up measurement (``speculation.auto.measure_at_start``)
     or, without one, until live iterations replace its step times."""
@@ -125,7 +128,7 @@ def _controller(opts: SpeculationOptions, path, compute_path: str, field: str) -
                                   request_ema_alpha=a.request_ema_alpha, probe_interval=a.probe_interval,
                                   step_window=a.step_window, explore_samples=a.explore_samples,
                                   explore_budget=a.explore_budget, explore_refresh=a.explore_refresh)
-    why = untrusted_step_times(path, compute_path)
+    why = untrusted_step_times(path, compute_path, conditions)
     if why is not None:
         log.warning("%s %s %s: its step times are not trusted here (compute path %s, code %s); %s, and live "
                     "iterations replace them", field, path, why, compute_path, code_version(),
@@ -151,15 +154,27 @@ def measured_on(path) -> tuple[str | None, str | None]:
         return None, None  # unreadable files are reported by StepCosts.load
 
 
-def untrusted_step_times(path, compute_path: str) -> str | None:
+def step_time_conditions(kv_cache_dtype: str, num_threads: int) -> dict:
+    """What a step's cost depends on beside the compute path and the code version, as ``rdserve
+    calibrate`` records it: the KV cache's dtype (``"float16"``: decode attention reads half the bytes
+    of float32) and the engine's thread count (two replicas of one thread each step about half as
+    fast as one of two)."""
+    return {"kv_cache_dtype": kv_cache_dtype, "num_threads": int(num_threads)}
+
+
+def untrusted_step_times(path, compute_path: str, conditions: dict | None = None) -> str | None:
     """Why a calibration file's step times do not belong to this engine (None: they do): recorded on
-    another compute path, on another code version (:func:`workers.code_version.code_version`), or
-    without saying either (files of older ``rdserve calibrate``)."""
+    another compute path, on another code version (:func:`workers.code_version.code_version`), under
+    other ``conditions`` (:func:`step_time_conditions`; only those the file records are compared:
+    older files record none), or without saying path or version (files of older ``rdserve calibrate``)."""
     try:
         data = json.loads(open(path).read())
         measured, version = data.get("compute_path", data.get("kernel")), data.get("code_version")
     except (OSError, ValueError, AttributeError):
         return "is unreadable"
+    for key, value in (conditions or {}).items():
+        if key in data and data[key] != value:
+            return f"was measured with {key} {data[key]} (this engine: {value})"
     if measured is not None and measured != compute_path:
         return f"was measured on compute path {measured}"
     if measured is None or version is None:

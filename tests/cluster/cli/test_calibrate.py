@@ -25,6 +25,10 @@ def test_calibrate_writes_the_schedule_its_figures_imply(tiny_config_path, tmp_p
     from workers.code_version import code_version
 
     assert figures["code_version"] == code_version()  # replicas of this code trust its step times
+    import torch
+
+    # ...on the same KV cache dtype and thread count (the tiny config's cache is float32)
+    assert figures["kv_cache_dtype"] == "float32" and figures["num_threads"] == torch.get_num_threads()
     assert set(figures["plain_step_s"]) == {"1", "3"}
     assert set(figures["spec_step_s"]) == {"1:1x2", "1:2x2", "3:1x2", "3:2x2"}
     assert all(v > 0 for v in figures["plain_step_s"].values())

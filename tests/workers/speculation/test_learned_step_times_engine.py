@@ -11,6 +11,7 @@ import json
 import logging
 
 import pytest
+import torch
 
 from step_costs import table_step_time
 from workers.code_version import code_version
@@ -20,7 +21,7 @@ from workers.sampling_params import SamplingParams
 from workers.speculation.controller import ControllerSettings, SpecController
 from workers.speculation.goodput import StepCosts
 from workers.speculation.options import SpeculationOptions
-from workers.speculation.policy import untrusted_step_times
+from workers.speculation.policy import step_time_conditions, untrusted_step_times
 
 TAUS = {(1, 2): 1.8, (2, 3): 2.2}
 # A tree that pays alone whatever the tiny drafter accepts (1.1x a plain step) and loses at 8 (4x).
@@ -77,9 +78,9 @@ def test_a_wrong_calibration_gives_way_on_a_real_engine(tiny_model_dirs, trained
     assert controller.current in right and all(s in right for s in shapes[-50:])
 
 
-def _calibration(path, compute_path: str | None, version: str | None):
+def _calibration(path, compute_path: str | None, version: str | None, **conditions):
     data = {"plain_step_s": {"1": 0.5, "8": 0.9}, "spec_step_s": {"1:1x2": 0.6, "8:1x2": 1.2},
-            "tokens_per_step": {"1x2": 1.7}}
+            "tokens_per_step": {"1x2": 1.7}, **conditions}
     if compute_path is not None:
         data["compute_path"] = compute_path
     if version is not None:
@@ -97,6 +98,35 @@ def test_a_calibration_is_trusted_only_on_its_own_path_and_code(tmp_path):
     assert "record the compute path" in untrusted_step_times(_calibration(tmp_path / "d.json", None, None), path)
     assert "record the code version" in untrusted_step_times(_calibration(tmp_path / "e.json", path, None), path)
     assert "unreadable" in untrusted_step_times(tmp_path / "missing.json", path)
+
+
+def test_a_calibration_of_another_kv_cache_dtype_or_thread_count_is_not_trusted(tmp_path):
+    path, here = "gguf-avx2-int8", step_time_conditions("float16", 2)
+    same = _calibration(tmp_path / "a.json", path, code_version(), kv_cache_dtype="float16", num_threads=2)
+    assert untrusted_step_times(same, path, here) is None
+    f32 = _calibration(tmp_path / "b.json", path, code_version(), kv_cache_dtype="float32", num_threads=2)
+    assert untrusted_step_times(f32, path, here) == "was measured with kv_cache_dtype float32 (this engine: float16)"
+    one = _calibration(tmp_path / "c.json", path, code_version(), kv_cache_dtype="float16", num_threads=1)
+    assert "num_threads 1 (this engine: 2)" in untrusted_step_times(one, path, here)
+    unsaid = _calibration(tmp_path / "d.json", path, code_version())  # files recorded before the conditions
+    assert untrusted_step_times(unsaid, path, here) is None
+
+
+def test_an_engine_on_another_kv_cache_dtype_measures_its_step_times_at_start(tiny_model_dirs, trained_drafter_dirs,
+                                                                              tmp_path, caplog):
+    plain = make_engine(tiny_model_dirs, trained_drafter_dirs, speculation=SpeculationOptions(policy="off"))
+    assert plain.step_conditions == step_time_conditions("float32", torch.get_num_threads())
+    other = _calibration(tmp_path / "f16.json", plain.compute_path, code_version(),
+                         **step_time_conditions("float16", torch.get_num_threads()))
+    with caplog.at_level(logging.INFO):
+        engine = make_engine(tiny_model_dirs, trained_drafter_dirs,
+                             speculation=SpeculationOptions(policy="auto", calibration=other))
+    assert engine.spec_policy.costs.seed.plain_s[1] < 0.5  # measured here, not the file's 0.5 s
+    assert "kv_cache_dtype float16 (this engine: float32)" in " ".join(r.getMessage() for r in caplog.records)
+    mine = _calibration(tmp_path / "f32.json", plain.compute_path, code_version(), **plain.step_conditions)
+    engine = make_engine(tiny_model_dirs, trained_drafter_dirs,
+                         speculation=SpeculationOptions(policy="auto", calibration=mine))
+    assert engine.spec_policy.costs.seed.plain_s == {1: 0.5, 8: 0.9}
 
 
 def test_an_old_calibration_is_replaced_by_a_start_up_measurement(tiny_model_dirs, trained_drafter_dirs, tmp_path,
