@@ -286,7 +286,7 @@ class Engine:
                 limit = limits.get(seq.request_id, 0)
                 if limit == 0 or limit >= full_depth:  # a tree cut short by max_tokens tells nothing
                     self.spec_policy.observe(seq.spec_state, plan.spec_shape, limit > 0,
-                                             r.accepted_draft_tokens)
+                                             r.accepted_draft_tokens, r.num_rows)
                 seq.num_steps += 1
                 # accepted draft tokens that were emitted (a stop inside the block drops the rest)
                 accepted = min(r.accepted_draft_tokens, len(stream.token_ids) - emitted)

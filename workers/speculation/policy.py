@@ -49,7 +49,8 @@ class SpecPolicy(Protocol):
 
     def drafts(self, state: object | None, b: int, shape: DraftShape) -> bool: ...
 
-    def observe(self, state: object | None, shape: DraftShape | None, drafted: bool, accepted: int) -> None: ...
+    def observe(self, state: object | None, shape: DraftShape | None, drafted: bool, accepted: int,
+                rows: int | None = None) -> None: ...
 
     def observe_step(self, shape: DraftShape | None, num_generation: int, num_full_trees: int, num_plain: int,
                      seconds: float, context: float | None = None, rows: int | None = None) -> None:

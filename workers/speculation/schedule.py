@@ -215,7 +215,8 @@ class TablePolicy:
     def drafts(self, state: None, b: int, shape: Shape) -> bool:
         return True
 
-    def observe(self, state: None, shape: Shape | None, drafted: bool, accepted: int) -> None:
+    def observe(self, state: None, shape: Shape | None, drafted: bool, accepted: int,
+                rows: int | None = None) -> None:
         """Keeps a moving average of tokens per drafted step (weight ``ema_alpha``), for stats."""
         if drafted:
             tokens = 1.0 + accepted

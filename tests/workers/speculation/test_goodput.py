@@ -222,3 +222,28 @@ def test_a_replica_held_plain_where_no_tree_could_pay_does_not_probe_trees():
                        costs.t_plain(32) if shape is None else costs.t_spec(32, shape))
     assert c.current is None
     assert drafted <= 2 * c.settings.explore_samples * len(costs.shapes)  # a probe runs 2 iterations, 1 timed
+
+
+def test_a_request_is_priced_with_its_own_lookup_rows():
+    """Two requests accepting the same tokens per step: one whose trees carry 4 prompt-lookup rows
+    (it copies from its context) and one whose trees carry none. Priced with the replica's average
+    rows both decode alike; priced with their own (EPYC AVX2 at batch 1: a 1x1 step 1.45x plain
+    without lookup rows, 2.8x with them) the one without rows drafts and the other decodes plain."""
+    from workers.speculation.step_times import nominal_rows
+
+    seed = StepCosts(plain_s={1: 0.005}, spec_s={(1, 1): {1: 0.007}, (1, 2): {1: 0.009}},
+                     tokens_per_step={(1, 1): 1.7, (1, 2): 1.9})  # 2 ms per tree row
+    c = SpecController(seed, ControllerSettings(request_ema_alpha=0.5, probe_interval=100))
+    copies, plain_text = c.new_request_state(), c.new_request_state()
+    for _ in range(12):  # 2 tokens per step each
+        for state, rows in ((copies, nominal_rows((1, 1)) + 4), (plain_text, nominal_rows((1, 1)))):
+            c.observe(state, (1, 1), True, 1, rows)
+    assert copies.extra_rows == 4 and plain_text.extra_rows == 0
+    assert copies.tau == pytest.approx(2.0, abs=0.01) and plain_text.tau == pytest.approx(2.0, abs=0.01)
+    # break-even: 7 / 5 = 1.4 tokens per step without lookup rows, (7 + 4 * 2) / 5 = 3.0 with them
+    assert c.drafts(plain_text, 1, (1, 1)) and not c.drafts(copies, 1, (1, 1))
+    unknown = c.new_request_state()  # no drafted step yet: the replica's average rows price it
+    c.costs.extra_rows = 4.0
+    assert c.drafts(unknown, 1, (1, 1)) == (c.taus()[(1, 1)] >= break_even_tau(c.costs, 1, (1, 1)))
+    c.observe(unknown, None, False, 0, 1)  # a plain step reports no tree rows
+    assert unknown.extra_rows is None
