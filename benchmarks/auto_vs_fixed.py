@@ -1,0 +1,110 @@
+"""Batch 1, in process: plain decoding, the live ``auto`` policy and one fixed draft-tree shape,
+interleaved prompt by prompt, each mode on its own engine's policy.
+
+``benchmarks/spec_vs_plain.py --policy auto`` runs plain and auto requests on one engine, so the
+live policy also sees forced-plain requests between its own (a replica serving mixed modes); this
+script gives ``auto`` an engine of its own, as a replica serving only ``auto`` traffic has, and
+times a fixed shape (``--num-beams`` x ``--draft-len-per-beam`` plus the config's prompt-lookup
+beam) on a third engine in the same process. The order of the three modes alternates from prompt to
+prompt, so the VM's drift falls on all three alike. Prefix caching is off (a cached prompt would
+skip the next mode's prefill). Greedy: the three must give the same tokens, and the script stops if
+they do not. Tokens/s = completion tokens / wall time, prefill included.
+
+The issue-35 targets read off it: ``auto`` vs plain (>= 1.8x with AMX, >= 1.3x on AVX2 only) and
+``auto`` vs the better forced mode (>= 0.95x).
+
+Usage:
+    python benchmarks/auto_vs_fixed.py --config configs/local.yaml --prompts ../shared/datasets/broad/dev.jsonl \
+        --prompts-per-category 6 --max-tokens 192 --num-beams 1 --draft-len-per-beam 1 \
+        --out benchmarks/results/auto_vs_fixed
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections import Counter
+from pathlib import Path
+
+from tqdm import tqdm
+
+from bench_report import write_report
+from bench_spec import fixed_speculation
+
+from cluster.config import load_config
+from cluster.replica.build import build_engine
+from workers.kernels.build import cpu_model
+from workers.sampling_params import SamplingParams
+from workers.training.prompt_sources import first_per_category
+
+MODES = ("plain", "auto", "fixed")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default="configs/local.yaml", help="rdserve config (its speculation policy is auto's)")
+    ap.add_argument("--prompts", required=True, help="JSONL prompts with 'messages' and 'category'")
+    ap.add_argument("--prompts-per-category", type=int, default=6, help="the first N of each category")
+    ap.add_argument("--max-tokens", type=int, default=192, help="completion tokens per request (at most)")
+    ap.add_argument("--num-beams", type=int, default=1, help="the fixed shape's beams")
+    ap.add_argument("--draft-len-per-beam", type=int, default=1, help="the fixed shape's draft tokens per beam")
+    ap.add_argument("--out", default="benchmarks/results/auto_vs_fixed", help="output path without suffix")
+    args = ap.parse_args()
+    path = Path(args.prompts)
+    if not path.is_file():
+        ap.error(f"--prompts {path}: no such file")
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = [r for r in rows if isinstance(r.get("messages"), list)]
+    if not rows:
+        ap.error(f"--prompts {path}: no row has a 'messages' list")
+    prompts = [p for ps in first_per_category(rows, args.prompts_per_category).values() for p in ps]
+
+    cfg = load_config(args.config)
+    cfg.engine = cfg.engine.model_copy(update={"enable_prefix_caching": False})
+    auto = build_engine(cfg)
+    fixed_cfg = cfg.model_copy()
+    fixed_cfg.speculation = fixed_speculation(cfg.speculation, num_beams=args.num_beams,
+                                              draft_len_per_beam=args.draft_len_per_beam)
+    fixed = build_engine(fixed_cfg)
+    engines = {"plain": (auto, "plain"), "auto": (auto, "spec"), "fixed": (fixed, "spec")}
+    seconds, tokens = Counter(), Counter()
+
+    def run(mode: str, ids: list[int]) -> list[int]:
+        engine, engine_mode = engines[mode]
+        t0, out, last = time.perf_counter(), [], None
+        for last in engine.generate(ids, SamplingParams(max_tokens=args.max_tokens, temperature=0.0), engine_mode):
+            out += last.token_ids
+        seconds[mode] += time.perf_counter() - t0
+        tokens[mode] += last.completion_tokens
+        return out
+
+    warm = auto.encode_chat(prompts[0]["messages"])
+    for engine in (auto, fixed):
+        for _ in engine.generate(warm, SamplingParams(max_tokens=16, temperature=0.0), "spec"):
+            pass
+    for i, p in enumerate(tqdm(prompts, desc="prompts")):
+        ids = auto.encode_chat(p["messages"])
+        order = MODES if i % 2 == 0 else MODES[::-1]
+        outputs = {mode: run(mode, ids) for mode in order}
+        if len({tuple(o) for o in outputs.values()}) != 1:
+            raise SystemExit(f"prompt {i}: greedy outputs differ between modes: {outputs}")
+    rate = {m: tokens[m] / seconds[m] for m in MODES}
+    shape = f"{args.num_beams}x{args.draft_len_per_beam}"
+    table = "\n".join([
+        f"{cpu_model()}, compute path {auto.compute_path}; auto: {auto.spec_selection.source}; fixed {shape} "
+        f"+ {cfg.speculation.prompt_lookup_num_tokens}-token lookup beam; {len(prompts)} prompts x <= {args.max_tokens} "
+        "tokens, batch 1, modes interleaved",
+        "",
+        f"| plain tok/s | auto tok/s | fixed {shape} tok/s | auto / plain | fixed / plain | auto / better forced |",
+        "|---|---|---|---|---|---|",
+        f"| {rate['plain']:.1f} | {rate['auto']:.1f} | {rate['fixed']:.1f} | {rate['auto'] / rate['plain']:.3f}x | "
+        f"{rate['fixed'] / rate['plain']:.3f}x | {rate['auto'] / max(rate['plain'], rate['fixed']):.3f}x |",
+    ])
+    print(table)
+    write_report(args.out, table, {"tokens_per_s": rate, "seconds": dict(seconds), "tokens": dict(tokens),
+                                   "args": vars(args), "cpu": cpu_model(), "compute_path": auto.compute_path})
+
+
+if __name__ == "__main__":
+    main()
