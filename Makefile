@@ -34,8 +34,9 @@ prometheus:
 	@command -v prometheus >/dev/null && command -v promtool >/dev/null || { \
 	  echo "installing Debian's prometheus package (the metrics tests run prometheus and promtool)"; \
 	  SUDO=$$([ "$$(id -u)" -eq 0 ] || echo sudo); \
-	  for try in 1 2 3 4 5 6 7 8 9 10; do $$SUDO apt-get update -qq && break; \
-	    [ $$try = 10 ] && exit 1; echo "apt-get update failed (another apt run holds its lock?); retrying in 30 s"; sleep 30; done; \
+	  for try in 1 2 3 4 5 6 7 8 9 10; do out=$$($$SUDO apt-get update -qq 2>&1) && break; echo "$$out"; \
+	    echo "$$out" | grep -q "Could not get lock" && [ $$try != 10 ] || exit 1; \
+	    echo "another apt run holds its lock; retrying in 30 s"; sleep 30; done; \
 	  $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=300 install -y -qq --no-install-recommends prometheus; }
 
 test: install prometheus

@@ -1,11 +1,11 @@
-"""Batch 1, in process: plain decoding, the live ``auto`` policy and one fixed draft-tree shape,
-interleaved prompt by prompt, each mode on its own engine's policy.
+r"""Batch 1, in process: plain decoding, the live ``auto`` policy and one fixed draft-tree shape,
+interleaved prompt by prompt, each mode on an engine of its own.
 
 ``benchmarks/spec_vs_plain.py --policy auto`` runs plain and auto requests on one engine, so the
 live policy also sees forced-plain requests between its own (a replica serving mixed modes); this
-script gives ``auto`` an engine of its own, as a replica serving only ``auto`` traffic has, and
-times a fixed shape (``--num-beams`` x ``--draft-len-per-beam`` plus the config's prompt-lookup
-beam) on a third engine in the same process. The order of the three modes alternates from prompt to
+script gives ``auto`` an engine of its own, as a replica serving only ``auto`` traffic has, plain
+decoding another (``speculation.policy: off``), and times a fixed shape (``--num-beams`` x
+``--draft-len-per-beam`` plus the config's prompt-lookup beam) on a third, all in one process. The order of the three modes alternates from prompt to
 prompt, so the VM's drift falls on all three alike. Prefix caching is off (a cached prompt would
 skip the next mode's prefill). Greedy: the three must give the same tokens, and the script stops if
 they do not. Tokens/s = completion tokens / wall time, prefill included.
@@ -32,7 +32,10 @@ from tqdm import tqdm
 from bench_report import write_report
 from bench_spec import fixed_speculation
 
+from pydantic import ValidationError
+
 from cluster.config import load_config
+from cluster.config.base import ConfigError
 from cluster.replica.build import build_engine
 from workers.kernels.build import cpu_model
 from workers.sampling_params import SamplingParams
@@ -41,33 +44,55 @@ from workers.training.prompt_sources import first_per_category
 MODES = ("plain", "auto", "fixed")
 
 
+def positive(text: str) -> int:
+    """An argparse type: an integer >= 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default="configs/local.yaml", help="rdserve config (its speculation policy is auto's)")
     ap.add_argument("--prompts", required=True, help="JSONL prompts with 'messages' and 'category'")
-    ap.add_argument("--prompts-per-category", type=int, default=6, help="the first N of each category")
-    ap.add_argument("--max-tokens", type=int, default=192, help="completion tokens per request (at most)")
-    ap.add_argument("--num-beams", type=int, default=1, help="the fixed shape's beams")
-    ap.add_argument("--draft-len-per-beam", type=int, default=1, help="the fixed shape's draft tokens per beam")
+    ap.add_argument("--prompts-per-category", type=positive, default=6, help="the first N of each category")
+    ap.add_argument("--max-tokens", type=positive, default=192, help="completion tokens per request (at most)")
+    ap.add_argument("--num-beams", type=positive, default=1, help="the fixed shape's beams")
+    ap.add_argument("--draft-len-per-beam", type=positive, default=1, help="the fixed shape's draft tokens per beam")
     ap.add_argument("--out", default="benchmarks/results/auto_vs_fixed", help="output path without suffix")
     args = ap.parse_args()
     path = Path(args.prompts)
     if not path.is_file():
-        ap.error(f"--prompts {path}: no such file")
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    rows = [r for r in rows if isinstance(r.get("messages"), list)]
+        ap.error(f"--prompts {path}: not a file")
+    rows = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError as err:
+            ap.error(f"--prompts {path} line {n}: not JSON ({err})")
+        if not isinstance(row, dict):
+            ap.error(f"--prompts {path} line {n}: not a JSON object")
+        if isinstance(row.get("messages"), list):
+            rows.append(row)
     if not rows:
         ap.error(f"--prompts {path}: no row has a 'messages' list")
     prompts = [p for ps in first_per_category(rows, args.prompts_per_category).values() for p in ps]
 
-    cfg = load_config(args.config)
+    try:
+        cfg = load_config(args.config)
+        fixed_spec = fixed_speculation(cfg.speculation, num_beams=args.num_beams,
+                                       draft_len_per_beam=args.draft_len_per_beam)
+        off_spec = fixed_speculation(cfg.speculation, policy="off")
+    except (ConfigError, ValidationError) as err:
+        ap.error(str(err))
     cfg.engine = cfg.engine.model_copy(update={"enable_prefix_caching": False})
     auto = build_engine(cfg)
-    fixed_cfg = cfg.model_copy()
-    fixed_cfg.speculation = fixed_speculation(cfg.speculation, num_beams=args.num_beams,
-                                              draft_len_per_beam=args.draft_len_per_beam)
-    fixed = build_engine(fixed_cfg)
-    engines = {"plain": (auto, "plain"), "auto": (auto, "spec"), "fixed": (fixed, "spec")}
+    fixed = build_engine(cfg.model_copy(update={"speculation": fixed_spec}))
+    plain = build_engine(cfg.model_copy(update={"speculation": off_spec}))
+    engines = {"plain": (plain, "plain"), "auto": (auto, "spec"), "fixed": (fixed, "spec")}
     seconds, tokens = Counter(), Counter()
 
     def run(mode: str, ids: list[int]) -> list[int]:
@@ -80,8 +105,8 @@ def main() -> None:
         return out
 
     warm = auto.encode_chat(prompts[0]["messages"])
-    for engine in (auto, fixed):
-        for _ in engine.generate(warm, SamplingParams(max_tokens=16, temperature=0.0), "spec"):
+    for engine, mode in engines.values():
+        for _ in engine.generate(warm, SamplingParams(max_tokens=16, temperature=0.0), mode):
             pass
     for i, p in enumerate(tqdm(prompts, desc="prompts")):
         ids = auto.encode_chat(p["messages"])
@@ -103,7 +128,10 @@ def main() -> None:
     ])
     print(table)
     write_report(args.out, table, {"tokens_per_s": rate, "seconds": dict(seconds), "tokens": dict(tokens),
-                                   "args": vars(args), "cpu": cpu_model(), "compute_path": auto.compute_path})
+                                   "args": vars(args), "cpu": cpu_model(), "compute_path": auto.compute_path,
+                                   "auto_policy": auto.spec_selection.source,
+                                   "auto_measured_at_start": auto.spec_selection.measure_at_start,
+                                   "step_conditions": auto.step_conditions})
 
 
 if __name__ == "__main__":

@@ -108,7 +108,8 @@ def load_engine(model_path: str, drafter_path: str | None = None, options: Engin
         spec.prompt_lookup_min, spec.prompt_lookup_max, spec.prompt_lookup_num_tokens, spec.prompt_lookup_max_num_tokens)
     max_seq_len = min(opts.max_seq_len, model.config.max_position_embeddings)
     kv_dtype = dtype if opts.kv_cache_dtype == "auto" else DTYPES[opts.kv_cache_dtype]
-    conditions = step_time_conditions(str(kv_dtype).removeprefix("torch."), torch.get_num_threads())
+    conditions = step_time_conditions(str(kv_dtype).removeprefix("torch."),
+                                      torch.get_num_threads() if device.type == "cpu" else None)
     selected = SelectedPolicy(spec_policy, "given") if spec_policy is not None \
         else select_policy(spec, name, opts.max_batch_size, conditions)
     log.info("speculation policy: %s (compute path %s)", selected.source, name)

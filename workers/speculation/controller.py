@@ -10,8 +10,8 @@ The engine asks every iteration, for the number of generation requests ``b``:
 - :meth:`SpecController.drafts`: whether one request drafts in this iteration. A request whose own
   tokens-per-step estimate is below break-even for the batch (:func:`workers.speculation.goodput.break_even_tau`;
   its step priced with the rows its own trees carried beyond the shape's, the prompt-lookup beam's:
-  on the EPYC AVX2 a 1x1 step of a request that copies from its context costs ~2.8x a plain one, of
-  one that does not ~1.45x, and the replica's average rows priced both alike) decodes plain (its KV cache stays valid); every ``probe_interval``-th of its plain steps it drafts
+  on the EPYC AVX2, read off fixed 1x1's tokens per step and speedup per prompt category,
+  a 1x1 step of qa prompts that copy passages cost ~2.8x a plain one, of generation prompts ~1.5x, and the replica's average rows priced both alike) decodes plain (its KV cache stays valid); every ``probe_interval``-th of its plain steps it drafts
   anyway, so its estimate can recover.
 - :meth:`SpecController.observe`: after the iteration, the tokens each drafting request accepted.
   The replica's ``tau`` (for the shape in use) and each request's own are exponential moving

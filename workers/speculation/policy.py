@@ -131,7 +131,7 @@ def _controller(opts: SpeculationOptions, path, compute_path: str, field: str,
                                   explore_budget=a.explore_budget, explore_refresh=a.explore_refresh)
     why = untrusted_step_times(path, compute_path, conditions)
     if why is not None:
-        log.warning("%s %s %s: its step times are not trusted here (compute path %s, code %s); %s, and live "
+        log.warning("%s %s %s: its step times are not trusted here (this engine: compute path %s, code %s); %s, and live "
                     "iterations replace them", field, path, why, compute_path, code_version(),
                     "measuring step times at start" if a.measure_at_start else
                     "starting from them (speculation.auto.measure_at_start is off)")
@@ -155,12 +155,16 @@ def measured_on(path) -> tuple[str | None, str | None]:
         return None, None  # unreadable files are reported by StepCosts.load
 
 
-def step_time_conditions(kv_cache_dtype: str, num_threads: int) -> dict:
+def step_time_conditions(kv_cache_dtype: str, num_threads: int | None) -> dict:
     """What a step's cost depends on beside the compute path and the code version, as ``rdserve
     calibrate`` records it: the KV cache's dtype (``"float16"``: decode attention reads half the bytes
     of float32) and the engine's thread count (two replicas of one thread each step about half as
-    fast as one of two)."""
-    return {"kv_cache_dtype": kv_cache_dtype, "num_threads": int(num_threads)}
+    fast as one of two). ``num_threads`` None: not a condition (a GPU engine's steps do not run on
+    the host's threads)."""
+    conditions = {"kv_cache_dtype": kv_cache_dtype}
+    if num_threads is not None:
+        conditions["num_threads"] = int(num_threads)
+    return conditions
 
 
 def untrusted_step_times(path, compute_path: str, conditions: dict | None = None) -> str | None:
@@ -173,11 +177,11 @@ def untrusted_step_times(path, compute_path: str, conditions: dict | None = None
         measured, version = data.get("compute_path", data.get("kernel")), data.get("code_version")
     except (OSError, ValueError, AttributeError):
         return "is unreadable"
-    for key, value in (conditions or {}).items():
-        if key in data and data[key] != value:
-            return f"was measured with {key} {data[key]} (this engine: {value})"
     if measured is not None and measured != compute_path:
         return f"was measured on compute path {measured}"
+    for key, value in (conditions or {}).items():
+        if key in data and data[key] != value:
+            return f"was measured with {key} {data[key]!r} (this engine: {value!r})"
     if measured is None or version is None:
         return f"does not record the {'compute path' if measured is None else 'code version'} it was measured on " \
                "(an older `rdserve calibrate`)"

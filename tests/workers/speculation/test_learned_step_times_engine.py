@@ -105,9 +105,12 @@ def test_a_calibration_of_another_kv_cache_dtype_or_thread_count_is_not_trusted(
     same = _calibration(tmp_path / "a.json", path, code_version(), kv_cache_dtype="float16", num_threads=2)
     assert untrusted_step_times(same, path, here) is None
     f32 = _calibration(tmp_path / "b.json", path, code_version(), kv_cache_dtype="float32", num_threads=2)
-    assert untrusted_step_times(f32, path, here) == "was measured with kv_cache_dtype float32 (this engine: float16)"
+    assert untrusted_step_times(f32, path, here) == "was measured with kv_cache_dtype 'float32' (this engine: 'float16')"
     one = _calibration(tmp_path / "c.json", path, code_version(), kv_cache_dtype="float16", num_threads=1)
     assert "num_threads 1 (this engine: 2)" in untrusted_step_times(one, path, here)
+    elsewhere = _calibration(tmp_path / "e.json", "gguf-avx512-int8", code_version(), num_threads=32)
+    assert "compute path gguf-avx512-int8" in untrusted_step_times(elsewhere, path, here)  # the path first
+    assert step_time_conditions("float16", None) == {"kv_cache_dtype": "float16"}  # a GPU engine: no host threads
     unsaid = _calibration(tmp_path / "d.json", path, code_version())  # files recorded before the conditions
     assert untrusted_step_times(unsaid, path, here) is None
 
@@ -122,7 +125,7 @@ def test_an_engine_on_another_kv_cache_dtype_measures_its_step_times_at_start(ti
         engine = make_engine(tiny_model_dirs, trained_drafter_dirs,
                              speculation=SpeculationOptions(policy="auto", calibration=other))
     assert engine.spec_policy.costs.seed.plain_s[1] < 0.5  # measured here, not the file's 0.5 s
-    assert "kv_cache_dtype float16 (this engine: float32)" in " ".join(r.getMessage() for r in caplog.records)
+    assert "kv_cache_dtype 'float16' (this engine: 'float32')" in " ".join(r.getMessage() for r in caplog.records)
     mine = _calibration(tmp_path / "f32.json", plain.compute_path, code_version(), **plain.step_conditions)
     engine = make_engine(tiny_model_dirs, trained_drafter_dirs,
                          speculation=SpeculationOptions(policy="auto", calibration=mine))
