@@ -83,6 +83,7 @@ def main() -> None:
     shape_args = {k: getattr(args, k) for k in ("num_beams", "draft_len_per_beam") if getattr(args, k)}
     cfg.speculation = fixed_speculation(cfg.speculation, **shape_args)
     engine = build_engine(cfg)
+    threads = torch.get_num_threads()  # the engine's count; adaptive threads may move it between steps
     e = cfg.engine
     shape = (cfg.speculation.num_beams, cfg.speculation.draft_len_per_beam)
     prompts = [engine.encode_chat(p["messages"]) for p in build_prompts(require_datasets(Path(args.datasets_dir)), "heldout")]
@@ -100,7 +101,7 @@ def main() -> None:
               f"tok/s ({row['speedup']:.2f}x)", flush=True)
     crossover = next((r["batch_size"] for r in results if r["speedup"] < 1.0), None)
     lines = [
-        f"model dtype {e.dtype}, threads {torch.get_num_threads()}, spec shape {shape[0]}x{shape[1]}, "
+        f"model dtype {e.dtype}, threads {threads}, spec shape {shape[0]}x{shape[1]}, "
         f"max_tokens {args.max_tokens} (EOS ignored), prompts: held-out chat/code/math",
         "",
         "| batch | plain tokens/s | plain step ms | spec tokens/s | spec step ms | spec tokens/step | speedup |",
@@ -114,7 +115,7 @@ def main() -> None:
     table = "\n".join(lines)
     print(table)
     write_report(args.out, table, {"config": str(args.config), "dtype": e.dtype, "shape": shape,
-                                   "max_tokens": args.max_tokens, "threads": torch.get_num_threads(),
+                                   "max_tokens": args.max_tokens, "threads": threads,
                                    "crossover_batch_size": crossover, "rows": results})
 
 
