@@ -8,11 +8,12 @@ The engine asks every iteration, for the number of generation requests ``b``:
   boundary does not flip the decision back and forth (public reports of dynamic speculation show
   throughput collapsing when a batch-size threshold flaps).
 - :meth:`SpecController.drafts`: whether one request drafts in this iteration. A request whose own
-  tokens-per-step estimate is below break-even for the batch (:func:`workers.speculation.goodput.break_even_tau`;
-  its step priced with the rows its own trees carried beyond the shape's, the prompt-lookup beam's:
-  on the EPYC AVX2, read off fixed 1x1's tokens per step and speedup per prompt category,
-  a 1x1 step of qa prompts that copy passages cost ~2.8x a plain one, of generation prompts ~1.5x, and the replica's average rows priced both alike) decodes plain (its KV cache stays valid); every ``probe_interval``-th of its plain steps it drafts
-  anyway, so its estimate can recover.
+  tokens-per-step estimate is below break-even for the batch (:func:`workers.speculation.goodput.break_even_tau`)
+  decodes plain (its KV cache stays valid); every ``probe_interval``-th of its plain steps it drafts
+  anyway, so its estimate can recover. Its step is priced with the rows its own trees carried beyond
+  the shape's (the prompt-lookup beam's): on the EPYC AVX2, read off fixed 1x1's tokens per step and
+  speedup per prompt category, a 1x1 step of qa prompts that copy passages cost ~2.8x a plain one,
+  of generation prompts ~1.5x, and the replica's average rows priced both alike.
 - :meth:`SpecController.observe`: after the iteration, the tokens each drafting request accepted.
   The replica's ``tau`` (for the shape in use) and each request's own are exponential moving
   averages (weight ``ema_alpha`` per step), seeded from calibration. A replica held plain drafts (two
@@ -47,7 +48,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from workers.speculation.exploration import ProbeBudget, unexplored
-from workers.speculation.goodput import (Shape, StepCosts, best_choice, break_even_tau, live_taus, plain_rate, rate_of,
+from workers.speculation.goodput import (Shape, StepCosts, best_choice, live_taus, plain_rate, rate_of,
                                         spec_rate)
 from workers.speculation.shape import shape_text
 from workers.speculation.step_times import LiveStepCosts, nominal_rows
@@ -218,11 +219,8 @@ class SpecController:
         if self.probing:
             return True
         tau = state.tau if state.tau is not None else self.taus()[shape]
-        if state.extra_rows is None:
-            even = break_even_tau(self.costs, b, shape)
-        else:  # priced with its own lookup rows: a request that copies from its context verifies more rows
-            even = self.costs.t_rows(b, shape, state.extra_rows) / self.costs.t(b, None)
-        if tau >= even:
+        # break-even priced with its own lookup rows (the replica's average until it has drafted)
+        if tau >= self.costs.t_rows(b, shape, state.extra_rows) / self.costs.t(b, None):
             return True
         return state.plain_steps + 1 >= self.settings.probe_interval  # a probe
 

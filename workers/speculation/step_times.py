@@ -224,10 +224,11 @@ class LiveStepCosts:
         rows per request recent trees carried (:attr:`extra_rows`)."""
         return self._expected_seed_t(b, choice) * self.ratio(max(1, round(b)), choice)
 
-    def t_rows(self, b: float, shape: Shape, extra: float) -> float:
+    def t_rows(self, b: float, shape: Shape, extra: float | None) -> float:
         """Estimated seconds per step at ``b`` with ``shape`` whose trees each carry ``extra`` rows beyond
-        the shape's own (one request's own lookup rows, instead of the recent average)."""
-        return self._tree_seed_t(b, shape, extra) * self.ratio(max(1, round(b)), shape)
+        the shape's own (one request's own lookup rows; None: the recent average, as :meth:`t`)."""
+        return self._tree_seed_t(b, shape, self.extra_rows if extra is None else extra) * \
+            self.ratio(max(1, round(b)), shape)
 
     def t_plain(self, b: float) -> float:
         return self.t(b, None)
