@@ -18,14 +18,19 @@
  *   sums D = sum q a = D' + 128 A with m = -128 d, and fma(d, D, m A) and fma(d, D', 0 * A) both
  *   round the same exact value d D' once, so the results are the same bits.
  *
- * Q8_0 (int8_rows): a panel's 32 output rows are done in two halves of 16 (the first, then the
- * second 64 bytes of each group), two int accumulators per activation row, up to ROWS_Q8_0_AVX2 rows.
- * Q4_1 (q4_1_rows_q): in four quarters of 8 (low nibbles, then high), one accumulator per row, up to
- * ROWS_Q4_1_AVX2 rows in the 16 ymm registers beside the weights, the broadcast and a product. With
- * two accumulators per row and 6 rows GCC spilled accumulators and hoisted broadcasts to the stack
- * inside the inner loop; the quarters reuse each broadcast 4 times from L1 and keep 8 rows in
- * registers (one thread, the default model's 30 layers: 16 rows 39.8 -> 30.2 ms, 7 rows 18.4 -> 15.3;
- * BENCHMARKS.md "Stop 28"). Every output sums the same products in the same order either way.
+ * Register blocking (both formats): the inner loop over a block's 8 groups of 4 K-values is written
+ * in asm per row (a broadcast load of the row's 4 activations, then its products and adds), as GCC
+ * otherwise loads every row's broadcast ahead of the products (or hoists them all out of the loop
+ * over the panel's quarters) and spills accumulators to the stack.
+ * - Q4_1 (q4_1_rows_h): a panel's 32 outputs in two halves j of 16: the low and the high nibbles of
+ *   the same 32 weight bytes (outputs 8 j .. + 7 and 16 + 8 j .. + 7), two int16 accumulators per row,
+ *   so each broadcast serves two products and each weight load 2 * MR; up to ROWS_Q4_1_AVX2 rows
+ *   (12 accumulators, the two operands and two temporaries fill the 16 ymm registers).
+ * - Q8_0 (q8_0_rows_q): in four quarters of 8 outputs, one int32 accumulator per row (vpsignb,
+ *   vpmaddubsw, vpmaddwd, vpaddd per row and group), up to ROWS_Q8_0_AVX2 rows.
+ * Against the kernels before (GCC's spills; Q8_0 with two accumulators per row): 1.18x on the default
+ * model's shapes at 16 rows (benchmarks/int8_activations.py, BENCHMARKS.md section 16). Every output
+ * sums the same products in the same order either way.
  */
 #include <float.h>
 #include <immintrin.h>
@@ -35,8 +40,8 @@
 #include "int8_linear.h"
 
 #define ROWS_AVX2 8      /* the most rows a kernel takes (its total[] buffer) */
-#define ROWS_Q4_1_AVX2 8 /* rows per call: Q4_1 keeps one accumulator per row (q4_1_rows_q) */
-#define ROWS_Q8_0_AVX2 6 /* Q8_0 two (int8_rows) */
+#define ROWS_Q4_1_AVX2 6 /* rows per call: Q4_1 keeps two accumulators per row (q4_1_rows_h) */
+#define ROWS_Q8_0_AVX2 8 /* Q8_0 one (q8_0_rows_q) */
 #define PREFETCH_AVX2 4096
 #define Q4_1_BLOCK 640  /* d[32], m[32] float16, q[8][16][4] nibble pairs (q4_1_vnni.c) */
 #define Q8_0_BLOCK 1088 /* d[32] float16, q[8][2][16][4] (q8_0_vnni.c) */
@@ -93,71 +98,50 @@ store_rows(const int MR, float total[][INT8_PANEL], const float *bias, float *y,
     }
 }
 
-/* The two unsigned operands (8 rows each) of group g for half h of a block: Q4_1's nibbles, or Q8_0's
- * |qs| with qs itself in *sgn (for vpsignb). */
+/* One block's products for the 16 outputs of half j of a Q4_1 panel (the low and the high nibbles of
+ * the same bytes: outputs 8 j .. + 7 and 16 + 8 j .. + 7) and MR rows: two int16 accumulators per row,
+ * so each activation broadcast serves two products and each weight load four row-products. */
 static inline __attribute__((always_inline)) void
-operands(const int fmt, const uint8_t *blk, int g, int h, __m256i u[2], __m256i sgn[2]) {
-    if (fmt == I8_Q4_1) {
-        const __m256i nibble = _mm256_set1_epi8(0x0F);
-        for (int j = 0; j < 2; j++) {
-            __m256i q = _mm256_loadu_si256((const __m256i *)(blk + 128 + 64 * g + 32 * j));
-            u[j] = _mm256_and_si256(h ? _mm256_srli_epi16(q, 4) : q, nibble);
-        }
-    } else {
-        const __m256i flip = _mm256_set1_epi8((char)0x80);
-        for (int j = 0; j < 2; j++) {
-            sgn[j] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(blk + 64 + 128 * g + 64 * h + 32 * j)), flip);
-            u[j] = _mm256_abs_epi8(sgn[j]);
-        }
-    }
-}
-
-static inline __attribute__((always_inline)) void
-int8_rows(const int fmt, const int MR, const int8_t *a, const float *scale, const float *asum, long K,
-          const uint8_t *w, const float *bias, float *y, long ldy, long nvalid) {
+q4_1_rows_h(const int MR, const int8_t *a, const float *scale, const float *asum, long K, const uint8_t *w,
+            const float *bias, float *y, long ldy, long nvalid) {
     const long nb = K / INT8_KBLOCK;
-    const int block_bytes = fmt == I8_Q4_1 ? Q4_1_BLOCK : Q8_0_BLOCK;
-    const __m256i ones = _mm256_set1_epi16(1);
+    const __m256i ones = _mm256_set1_epi16(1), nibble = _mm256_set1_epi8(0x0F);
     float total[ROWS_AVX2][INT8_PANEL] __attribute__((aligned(32)));
     memset(total, 0, (size_t)MR * sizeof(total[0]));
     for (long b = 0; b < nb; b++) {
-        const uint8_t *blk = w + b * block_bytes;
-        for (int line = 0; line < block_bytes; line += 64)
+        const uint8_t *blk = w + b * Q4_1_BLOCK;
+        for (int line = 0; line < Q4_1_BLOCK; line += 64)
             _mm_prefetch((const char *)blk + PREFETCH_AVX2 + line, _MM_HINT_T0);
-        for (int h = 0; h < 2; h++) {
-            __m256i dot[ROWS_AVX2][2];
-            for (int m = 0; m < MR; m++) dot[m][0] = dot[m][1] = _mm256_setzero_si256();
-#pragma GCC unroll 8
+        for (int j = 0; j < 2; j++) {
+            const int8_t *ab = a + b * INT8_KBLOCK;
+            __asm__("" : "+r"(ab)); /* reload the broadcasts for each half (else GCC keeps all on the stack) */
+            __m256i lo[ROWS_AVX2], hi[ROWS_AVX2];
+            for (int m = 0; m < MR; m++) lo[m] = hi[m] = _mm256_setzero_si256();
+#pragma GCC unroll 1
             for (int g = 0; g < INT8_KBLOCK / 4; g++) {
-                __m256i u[2], sgn[2];
-                operands(fmt, blk, g, h, u, sgn);
-                for (int m = 0; m < MR; m++) {
-                    int32_t four;
-                    memcpy(&four, a + m * K + b * INT8_KBLOCK + 4 * g, 4);
-                    const __m256i av = _mm256_set1_epi32(four);
-                    for (int j = 0; j < 2; j++) {
-                        if (fmt == I8_Q4_1) { /* int16 sums over the block's groups */
-                            dot[m][j] = _mm256_add_epi16(dot[m][j], _mm256_maddubs_epi16(u[j], av));
-                        } else {
-                            __m256i p = _mm256_maddubs_epi16(u[j], _mm256_sign_epi8(av, sgn[j]));
-                            dot[m][j] = _mm256_add_epi32(dot[m][j], _mm256_madd_epi16(p, ones));
-                        }
-                    }
+                const __m256i q = _mm256_loadu_si256((const __m256i *)(blk + 128 + 64 * g + 32 * j));
+                const __m256i ul = _mm256_and_si256(q, nibble), uh = _mm256_and_si256(_mm256_srli_epi16(q, 4), nibble);
+                for (int m = 0; m < MR; m++) { /* int16 sums over the block's groups */
+                    /* one broadcast, then both products: in asm, as GCC otherwise loads every row's
+                     * broadcast first and spills the accumulators */
+                    __m256i t, p;
+                    __asm__("vpbroadcastd %[a], %[t]\n\t"
+                            "vpmaddubsw %[t], %[ul], %[p]\n\t"
+                            "vpaddw %[p], %[lo], %[lo]\n\t"
+                            "vpmaddubsw %[t], %[uh], %[t]\n\t"
+                            "vpaddw %[t], %[hi], %[hi]"
+                            : [lo] "+x"(lo[m]), [hi] "+x"(hi[m]), [t] "=&x"(t), [p] "=&x"(p)
+                            : [a] "m"(*(const int32_t *)(ab + m * K + 4 * g)), [ul] "x"(ul), [uh] "x"(uh));
                 }
             }
-            /* rows 16 h + 8 j .. + 7 of the panel */
-            const uint16_t *dh = (const uint16_t *)blk + 16 * h;
-            __m256 d[2], mm[2];
-            for (int j = 0; j < 2; j++) {
-                d[j] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dh + 8 * j)));
-                mm[j] = fmt == I8_Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dh + 32 + 8 * j)))
-                                       : _mm256_setzero_ps();
-            }
-            for (int m = 0; m < MR; m++) {
-                const __m256 s = _mm256_set1_ps(scale[m * nb + b]), sa = _mm256_set1_ps(asum[m * nb + b]);
-                for (int j = 0; j < 2; j++) {
-                    __m256i D = fmt == I8_Q4_1 ? _mm256_madd_epi16(dot[m][j], ones) : dot[m][j];
-                    __m256 c = _mm256_fmadd_ps(d[j], _mm256_cvtepi32_ps(D), _mm256_mul_ps(mm[j], sa));
+            for (int h = 0; h < 2; h++) { /* rows 16 h + 8 j .. + 7 of the panel */
+                const uint16_t *dh = (const uint16_t *)blk + 16 * h + 8 * j;
+                const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)dh));
+                const __m256 mm = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dh + 32)));
+                for (int m = 0; m < MR; m++) {
+                    const __m256 s = _mm256_set1_ps(scale[m * nb + b]), sa = _mm256_set1_ps(asum[m * nb + b]);
+                    const __m256i D = _mm256_madd_epi16(h ? hi[m] : lo[m], ones);
+                    __m256 c = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(D), _mm256_mul_ps(mm, sa));
                     float *t = total[m] + 16 * h + 8 * j;
                     _mm256_store_ps(t, _mm256_fmadd_ps(c, s, _mm256_load_ps(t)));
                 }
@@ -167,42 +151,46 @@ int8_rows(const int fmt, const int MR, const int8_t *a, const float *scale, cons
     store_rows(MR, total, bias, y, ldy, nvalid);
 }
 
-/* One block's products for 8 outputs (quarter 2 h + j of a Q4_1 panel: low, then high nibbles) and MR
- * rows: one int accumulator per row, so up to ROWS_AVX2 rows stay in registers with the weights, the
- * broadcast and a product. */
+/* One block's products for 8 outputs (quarter 2 h + j of a Q8_0 panel) and MR rows: one int32
+ * accumulator per row; |qs| is the unsigned operand and qs's sign moves onto the activation. */
 static inline __attribute__((always_inline)) void
-q4_1_rows_q(const int MR, const int8_t *a, const float *scale, const float *asum, long K, const uint8_t *w,
+q8_0_rows_q(const int MR, const int8_t *a, const float *scale, const float *asum, long K, const uint8_t *w,
             const float *bias, float *y, long ldy, long nvalid) {
     const long nb = K / INT8_KBLOCK;
-    const __m256i ones = _mm256_set1_epi16(1), nibble = _mm256_set1_epi8(0x0F);
+    const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);
     float total[ROWS_AVX2][INT8_PANEL] __attribute__((aligned(32)));
+    (void)asum;
     memset(total, 0, (size_t)MR * sizeof(total[0]));
     for (long b = 0; b < nb; b++) {
-        const uint8_t *blk = w + b * Q4_1_BLOCK;
-        const int8_t *ab = a + b * INT8_KBLOCK;
-        for (int line = 0; line < Q4_1_BLOCK; line += 64)
+        const uint8_t *blk = w + b * Q8_0_BLOCK;
+        for (int line = 0; line < Q8_0_BLOCK; line += 64)
             _mm_prefetch((const char *)blk + PREFETCH_AVX2 + line, _MM_HINT_T0);
         for (int hj = 0; hj < 4; hj++) {
             const int h = hj >> 1, j = hj & 1;
+            const int8_t *ab = a + b * INT8_KBLOCK;
+            __asm__("" : "+r"(ab));
             __m256i dot[ROWS_AVX2];
             for (int m = 0; m < MR; m++) dot[m] = _mm256_setzero_si256();
-#pragma GCC unroll 8
+#pragma GCC unroll 1
             for (int g = 0; g < INT8_KBLOCK / 4; g++) {
-                __m256i q = _mm256_loadu_si256((const __m256i *)(blk + 128 + 64 * g + 32 * j));
-                const __m256i u = _mm256_and_si256(h ? _mm256_srli_epi16(q, 4) : q, nibble);
-                for (int m = 0; m < MR; m++) { /* int16 sums over the block's groups */
-                    int32_t four;
-                    memcpy(&four, ab + m * K + 4 * g, 4);
-                    dot[m] = _mm256_add_epi16(dot[m], _mm256_maddubs_epi16(u, _mm256_set1_epi32(four)));
+                const __m256i sgn = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(blk + 64 + 128 * g + 64 * h + 32 * j)), flip);
+                const __m256i u = _mm256_abs_epi8(sgn);
+                for (int m = 0; m < MR; m++) {
+                    __m256i t;
+                    __asm__("vpbroadcastd %[a], %[t]\n\t"
+                            "vpsignb %[sgn], %[t], %[t]\n\t"
+                            "vpmaddubsw %[t], %[u], %[t]\n\t"
+                            "vpmaddwd %[ones], %[t], %[t]\n\t"
+                            "vpaddd %[t], %[d], %[d]"
+                            : [d] "+x"(dot[m]), [t] "=&x"(t)
+                            : [a] "m"(*(const int32_t *)(ab + m * K + 4 * g)), [u] "x"(u), [sgn] "x"(sgn), [ones] "x"(ones));
                 }
             }
-            /* rows 16 h + 8 j .. + 7 of the panel */
             const uint16_t *dh = (const uint16_t *)blk + 16 * h + 8 * j;
             const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)dh));
-            const __m256 mm = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dh + 32)));
             for (int m = 0; m < MR; m++) {
-                const __m256 s = _mm256_set1_ps(scale[m * nb + b]), sa = _mm256_set1_ps(asum[m * nb + b]);
-                __m256 c = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_madd_epi16(dot[m], ones)), _mm256_mul_ps(mm, sa));
+                const __m256 s = _mm256_set1_ps(scale[m * nb + b]);
+                __m256 c = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(dot[m]), _mm256_setzero_ps());
                 float *t = total[m] + 8 * hj;
                 _mm256_store_ps(t, _mm256_fmadd_ps(c, s, _mm256_load_ps(t)));
             }
@@ -214,8 +202,8 @@ q4_1_rows_q(const int MR, const int8_t *a, const float *scale, const float *asum
 #define I8_KERNEL(NAME, FMT, MR)                                                                              \
     static void NAME##_k##MR(const int8_t *a, const float *scale, const float *asum, long K, const uint8_t *w, \
                              const float *bias, float *y, long ldy, long nvalid) {                            \
-        if (FMT == I8_Q4_1) q4_1_rows_q(MR, a, scale, asum, K, w, bias, y, ldy, nvalid);                     \
-        else int8_rows(FMT, MR, a, scale, asum, K, w, bias, y, ldy, nvalid); }
+        if (FMT == I8_Q4_1) q4_1_rows_h(MR, a, scale, asum, K, w, bias, y, ldy, nvalid);                     \
+        else q8_0_rows_q(MR, a, scale, asum, K, w, bias, y, ldy, nvalid); }
 #define I8_KERNELS(NAME, FMT)                                                                                 \
     I8_KERNEL(NAME, FMT, 1) I8_KERNEL(NAME, FMT, 2) I8_KERNEL(NAME, FMT, 3) I8_KERNEL(NAME, FMT, 4)           \
     I8_KERNEL(NAME, FMT, 5) I8_KERNEL(NAME, FMT, 6) I8_KERNEL(NAME, FMT, 7) I8_KERNEL(NAME, FMT, 8)           \

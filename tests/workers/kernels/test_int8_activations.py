@@ -22,7 +22,8 @@ from workers.kernels.prefill_bf16 import prefill_linear
 from workers.kernels.quant_linear import INT8_CPU_FLAGS, INT8_KERNELS, QuantLinear, amx_unavailable
 
 FORMATS = ("Q4_1", "Q8_0")
-# rows per block: amx_gemm.h's AMX_ROWS, vnni_gemm.h's ROWS, int8_avx2.c's ROWS_Q4_1_AVX2 (Q8_0: 6)
+# rows per block: amx_gemm.h's AMX_ROWS, vnni_gemm.h's ROWS, int8_avx2.c's ROWS_Q8_0_AVX2 (Q4_1: 6);
+# the test below sends 2 * ROWS + 9 rows, so every block size up to ROWS is reached
 ROWS = {"amx": 16, "vnni": 12, "avx2": 8}
 NO_VNNI = build.missing_cpu_flags(INT8_CPU_FLAGS)
 
