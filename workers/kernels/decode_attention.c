@@ -29,7 +29,11 @@
  * strided and the hardware prefetchers fell behind). On the AMX Xeon this made batch-16 plain steps'
  * attention 0.76x, a batch-1 plain step's at 1,024 tokens 0.70x and a 7-row tree's 0.83x the time
  * of the head-by-head kernel (float16 cache), in the same bits (benchmarks/decode_attention.py
- * --baseline).
+ * --baseline). On AVX2 the G heads' scores share each key's loads and widening too (score_block_rows
+ * key by key; before, only the values were shared there): on the EPYC AVX2 (Zen 3), float16 cache, a
+ * 6-row tree at 400 tokens of context took 0.80-0.87x and batch-16 plain steps 0.93-0.95x the time,
+ * in the same bits; from a float32 cache (no widening to share) it measured no faster, so there each
+ * head still scores alone.
  *
  * Rounding: each score is one 16-lane dot product (simd.h's v16, the same order on both builds);
  * exp is a fixed polynomial evaluated lane by lane; the weights and the weighted sum of values are
@@ -146,6 +150,41 @@ ALWAYS_INLINE void score_block_rows(const args_t *a, int R, const float *q, long
         for (int i = 0; i < 8; i++) v[i].v = acc[r][i];
         _mm256_storeu_ps(s + r * s_stride, _mm256_mul_ps(v16_sum8(v), sc));
     }
+}
+#else
+/* score_block_rows on AVX2 (a v16 is two ymm registers, so R rows' accumulators for eight keys do
+ * not fit): key by key, its D elements loaded and widened once for the R rows, each row's two
+ * 8-lane FMA chains (v16_fma's, in d order) folded as v16_fold folds them, then the eight keys' folds
+ * reduced by v16_sum8's operations (v16_sum8_folded): every score the bits of score_block's. */
+ALWAYS_INLINE void score_block_rows(const args_t *a, int R, const float *q, long q_stride, const char *keys[8],
+                                    float *s, long s_stride, int half) {
+    __m256 f[3][8];
+    for (int i = 0; i < 8; i += 2) { /* two keys at a time: twice the independent FMA chains */
+        __m256 lo[2][3], hi[2][3];
+        for (int k = 0; k < 2; k++)
+            for (int r = 0; r < R; r++) lo[k][r] = hi[k][r] = _mm256_setzero_ps();
+        for (long d = 0; d < a->D; d += 16) {
+            for (int k = 0; k < 2; k++) {
+                __m256 kl, kh;
+                if (half) {
+                    const uint16_t *kp = (const uint16_t *)keys[i + k] + d;
+                    kl = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)kp));
+                    kh = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(kp + 8)));
+                } else {
+                    kl = _mm256_loadu_ps((const float *)keys[i + k] + d);
+                    kh = _mm256_loadu_ps((const float *)keys[i + k] + d + 8);
+                }
+                for (int r = 0; r < R; r++) {
+                    lo[k][r] = _mm256_fmadd_ps(_mm256_loadu_ps(q + r * q_stride + d), kl, lo[k][r]);
+                    hi[k][r] = _mm256_fmadd_ps(_mm256_loadu_ps(q + r * q_stride + d + 8), kh, hi[k][r]);
+                }
+            }
+        }
+        for (int k = 0; k < 2; k++)
+            for (int r = 0; r < R; r++) f[r][i + k] = _mm256_add_ps(lo[k][r], hi[k][r]);
+    }
+    __m256 sc = _mm256_set1_ps(a->scale);
+    for (int r = 0; r < R; r++) _mm256_storeu_ps(s + r * s_stride, _mm256_mul_ps(v16_sum8_folded(f[r]), sc));
 }
 #endif
 
@@ -387,10 +426,11 @@ ALWAYS_INLINE int head_group(const args_t *a, long b, long kvh, long t_lo, long 
             const uint8_t *m = mask + t * L + j0;
             const float *qt = q + t * a->q_stride;
             float *st = s + (t - t_lo) * G * Lp + j0;
-#if VL == 16
             int full = j0 + 8 <= ext[t].run, any = full;
             for (long i = 0; i < n && !any; i++) any |= m[i];
-            if (n == 8 && any) { /* the G heads' scores of these keys together, masked ones -inf after */
+            /* the G heads' scores of these keys together, masked ones -inf after (on AVX2 only from a
+             * binary16 cache: float32 keys need no widening, and sharing their loads measured no faster) */
+            if (n == 8 && any && (VL == 16 || half)) {
                 for (long g = 0; g < G;) {
                     long R = G - g >= 3 ? 3 : G - g;
                     if (R == 3) score_block_rows(a, 3, qt + g * D, D, keys, st + g * Lp, Lp, half);
@@ -404,7 +444,6 @@ ALWAYS_INLINE int head_group(const args_t *a, long b, long kvh, long t_lo, long 
                             if (!m[i]) st[g * Lp + i] = -INFINITY;
                 continue;
             }
-#endif
             for (long g = 0; g < G; g++) score_row(a, qt + g * D, keys, n, m, st + g * Lp, half);
         }
     }

@@ -176,11 +176,16 @@ static inline void v16_store_scaled(float *out, v16 acc, float s) {
 
 /* The lane sums of eight v16 (lane i of the result: the sum of a[i]), each in the same order
  * whatever its position: fold 16 -> 8, then ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)). */
-static inline __m256 v16_sum8(const v16 a[8]) {
-    __m256 h01 = _mm256_hadd_ps(v16_fold(a[0]), v16_fold(a[1])), h23 = _mm256_hadd_ps(v16_fold(a[2]), v16_fold(a[3]));
-    __m256 h45 = _mm256_hadd_ps(v16_fold(a[4]), v16_fold(a[5])), h67 = _mm256_hadd_ps(v16_fold(a[6]), v16_fold(a[7]));
+static inline __m256 v16_sum8_folded(const __m256 f[8]) { /* the same, of f[i] = v16_fold(a[i]) */
+    __m256 h01 = _mm256_hadd_ps(f[0], f[1]), h23 = _mm256_hadd_ps(f[2], f[3]);
+    __m256 h45 = _mm256_hadd_ps(f[4], f[5]), h67 = _mm256_hadd_ps(f[6], f[7]);
     __m256 q0 = _mm256_hadd_ps(h01, h23), q1 = _mm256_hadd_ps(h45, h67);
     return _mm256_add_ps(_mm256_permute2f128_ps(q0, q1, 0x20), _mm256_permute2f128_ps(q0, q1, 0x31));
+}
+static inline __m256 v16_sum8(const v16 a[8]) {
+    __m256 f[8];
+    for (int i = 0; i < 8; i++) f[i] = v16_fold(a[i]);
+    return v16_sum8_folded(f);
 }
 
 /* The sum of a v16's lanes, in the same order on both sets: 16 -> 8 (v16_fold) -> 4 -> 2 -> 1. */
