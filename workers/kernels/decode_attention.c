@@ -33,7 +33,8 @@
  * key by key; before, only the values were shared there): on the EPYC AVX2 (Zen 3), float16 cache, a
  * 6-row tree at 400 tokens of context took 0.80-0.87x and batch-16 plain steps 0.93-0.95x the time,
  * in the same bits; from a float32 cache (no widening to share) it measured no faster, so there each
- * head still scores alone.
+ * head still scores alone. Two rows of a tree that both see a block of keys score it together too
+ * (2 G rows, score_block_ptrs): 0.94-0.96x again on 4- and 6-row trees (one run of five 1.05x).
  *
  * Rounding: each score is one 16-lane dot product (simd.h's v16, the same order on both builds);
  * exp is a fixed polynomial evaluated lane by lane; the weights and the weighted sum of values are
@@ -152,19 +153,22 @@ ALWAYS_INLINE void score_block_rows(const args_t *a, int R, const float *q, long
     }
 }
 #else
-/* score_block_rows on AVX2 (a v16 is two ymm registers, so R rows' accumulators for eight keys do
- * not fit): key by key, its D elements loaded and widened once for the R rows, each row's two
- * 8-lane FMA chains (v16_fma's, in d order) folded as v16_fold folds them, then the eight keys' folds
- * reduced by v16_sum8's operations (v16_sum8_folded): every score the bits of score_block's. */
-ALWAYS_INLINE void score_block_rows(const args_t *a, int R, const float *q, long q_stride, const char *keys[8],
-                                    float *s, long s_stride, int half) {
-    __m256 f[3][8];
-    for (int i = 0; i < 8; i += 2) { /* two keys at a time: twice the independent FMA chains */
-        __m256 lo[2][3], hi[2][3];
-        for (int k = 0; k < 2; k++)
+/* R query rows' scores for eight keys they all see, on AVX2 (a v16 is two ymm registers, so R rows'
+ * accumulators for eight keys do not fit): key by key (two at a time for R <= 3), its D elements
+ * loaded and widened once for the R rows, each row's two 8-lane FMA chains (v16_fma's, in d order)
+ * folded as v16_fold folds them, then the eight keys' folds reduced by v16_sum8's operations
+ * (v16_sum8_folded): every score the bits of score_block's. Row r: queries qs[r], scores ss[r][0..7]. */
+#define SHARE_MAX 6
+ALWAYS_INLINE void score_block_ptrs(const args_t *a, int R, const float *const *qs, const char *keys[8],
+                                    float *const *ss, int half) {
+    __m256 f[SHARE_MAX][8];
+    const int KI = R <= 3 ? 2 : 1; /* keys per pass: their 4 R accumulators stay in registers */
+    for (int i = 0; i < 8; i += KI) {
+        __m256 lo[2][SHARE_MAX], hi[2][SHARE_MAX];
+        for (int k = 0; k < KI; k++)
             for (int r = 0; r < R; r++) lo[k][r] = hi[k][r] = _mm256_setzero_ps();
         for (long d = 0; d < a->D; d += 16) {
-            for (int k = 0; k < 2; k++) {
+            for (int k = 0; k < KI; k++) {
                 __m256 kl, kh;
                 if (half) {
                     const uint16_t *kp = (const uint16_t *)keys[i + k] + d;
@@ -175,16 +179,25 @@ ALWAYS_INLINE void score_block_rows(const args_t *a, int R, const float *q, long
                     kh = _mm256_loadu_ps((const float *)keys[i + k] + d + 8);
                 }
                 for (int r = 0; r < R; r++) {
-                    lo[k][r] = _mm256_fmadd_ps(_mm256_loadu_ps(q + r * q_stride + d), kl, lo[k][r]);
-                    hi[k][r] = _mm256_fmadd_ps(_mm256_loadu_ps(q + r * q_stride + d + 8), kh, hi[k][r]);
+                    lo[k][r] = _mm256_fmadd_ps(_mm256_loadu_ps(qs[r] + d), kl, lo[k][r]);
+                    hi[k][r] = _mm256_fmadd_ps(_mm256_loadu_ps(qs[r] + d + 8), kh, hi[k][r]);
                 }
             }
         }
-        for (int k = 0; k < 2; k++)
+        for (int k = 0; k < KI; k++)
             for (int r = 0; r < R; r++) f[r][i + k] = _mm256_add_ps(lo[k][r], hi[k][r]);
     }
     __m256 sc = _mm256_set1_ps(a->scale);
-    for (int r = 0; r < R; r++) _mm256_storeu_ps(s + r * s_stride, _mm256_mul_ps(v16_sum8_folded(f[r]), sc));
+    for (int r = 0; r < R; r++) _mm256_storeu_ps(ss[r], _mm256_mul_ps(v16_sum8_folded(f[r]), sc));
+}
+
+/* score_block_rows (AVX-512's signature): rows q + r q_stride, scores s + r s_stride. */
+ALWAYS_INLINE void score_block_rows(const args_t *a, int R, const float *q, long q_stride, const char *keys[8],
+                                    float *s, long s_stride, int half) {
+    const float *qs[SHARE_MAX];
+    float *ss[SHARE_MAX];
+    for (int r = 0; r < R; r++) qs[r] = q + r * q_stride, ss[r] = s + r * s_stride;
+    score_block_ptrs(a, R, qs, keys, ss, half);
 }
 #endif
 
@@ -428,6 +441,20 @@ ALWAYS_INLINE int head_group(const args_t *a, long b, long kvh, long t_lo, long 
             float *st = s + (t - t_lo) * G * Lp + j0;
             int full = j0 + 8 <= ext[t].run, any = full;
             for (long i = 0; i < n && !any; i++) any |= m[i];
+#if VL == 8
+            /* AVX2, binary16 cache: this row's G heads and the next row's, when both see all eight
+             * keys, from one widening of each key */
+            if (half && n == 8 && full && 2 * G <= SHARE_MAX && t + 1 < t_hi && j0 + 8 <= ext[t + 1].run) {
+                const float *qs[SHARE_MAX];
+                float *ss[SHARE_MAX];
+                for (long g = 0; g < 2 * G; g++)
+                    qs[g] = qt + (g / G) * a->q_stride + (g % G) * D, ss[g] = st + (g / G) * G * Lp + (g % G) * Lp;
+                if (G == 3) score_block_ptrs(a, 6, qs, keys, ss, half);
+                else score_block_ptrs(a, (int)(2 * G), qs, keys, ss, half);
+                t++;
+                continue;
+            }
+#endif
             /* the G heads' scores of these keys together, masked ones -inf after (on AVX2 only from a
              * binary16 cache: float32 keys need no widening, and sharing their loads measured no faster) */
             if (n == 8 && any && (VL == 16 || half)) {
