@@ -445,8 +445,8 @@ ALWAYS_INLINE int head_group(const args_t *a, long b, long kvh, long t_lo, long 
             /* AVX2, binary16 cache: this row's G heads and the next row's, when both see all eight
              * keys, from one widening of each key */
             if (half && n == 8 && full && 2 * G <= SHARE_MAX && t + 1 < t_hi && j0 + 8 <= ext[t + 1].run) {
-                const float *qs[SHARE_MAX];
-                float *ss[SHARE_MAX];
+                const float *qs[SHARE_MAX] = {0};
+                float *ss[SHARE_MAX] = {0};
                 for (long g = 0; g < 2 * G; g++)
                     qs[g] = qt + (g / G) * a->q_stride + (g % G) * D, ss[g] = st + (g / G) * G * Lp + (g % G) * Lp;
                 if (G == 3) score_block_ptrs(a, 6, qs, keys, ss, half);
