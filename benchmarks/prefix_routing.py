@@ -26,6 +26,8 @@ Usage:
         --concurrency 4,16 --out benchmarks/results/prefix_routing
     python benchmarks/prefix_routing.py --config configs/local.yaml --num-conversations 24 \
         --concurrency 16 --think-s 3 --out benchmarks/results/prefix_routing_think   # users pause between turns
+    python benchmarks/prefix_routing.py --config configs/local.yaml --num-conversations 24 \\
+        --concurrency 16 --num-kv-blocks 1024 --out benchmarks/results/prefix_routing_pressure  # caches under pressure
     python benchmarks/prefix_routing.py --num-conversations 2 --min-turns 3 --max-turns 3 \\
         --concurrency 2 --max-tokens 8 --out /tmp/prefix_routing_smoke          # a quick check
 """
@@ -55,11 +57,15 @@ ROUTERS = {
 }
 
 
-def router_config(config: Path, router: str, threads: int, out_dir: Path) -> tuple[Path, int]:
+def router_config(config: Path, router: str, threads: int, out_dir: Path,
+                  num_kv_blocks: int | None = None) -> tuple[Path, int]:
     """CONFIG with two replicas, prefix caching on, ``router``'s serve fields, ``threads`` engine threads
-    per replica and free ports; returns the copy's path and HTTP port."""
+    per replica, ``num_kv_blocks`` KV blocks per replica (None: CONFIG's) and free ports; returns the
+    copy's path and HTTP port."""
     data = absolute_paths(yaml.safe_load(config.read_text()) or {}, config.resolve().parent)
     data["engine"] = {**(data.get("engine") or {}), "enable_prefix_caching": True, "num_threads": threads}
+    if num_kv_blocks is not None:
+        data["engine"]["num_kv_blocks"] = num_kv_blocks
     port = free_port()
     data["serve"] = {**(data.get("serve") or {}), **ROUTERS[router], "replicas": 2, "autoscaling": None,
                      "port": port}
@@ -81,7 +87,7 @@ def affinity(records: list[dict]) -> float | None:
 
 def serve_level(config: Path, router: str, convs: list[dict], concurrency: int, model: str, tmp: Path,
                 args) -> dict:
-    path, port = router_config(config, router, args.threads, tmp)
+    path, port = router_config(config, router, args.threads, tmp, args.num_kv_blocks)
     base_url = f"http://127.0.0.1:{port}"
     proc = start_server(str(path), base_url)
     try:
@@ -105,7 +111,8 @@ def report(args, results: dict, levels: list[int]) -> str:
     convs = results["conversations"]
     turns = [len(c["lines"]) for c in convs]
     lines = [f"CPU: {results['cpu']}; compute path: {results['compute_path']}; config {args.config}, 2 replicas x "
-             f"{args.threads} thread(s), prefix caching on; {len(convs)} conversations of {min(turns)}-{max(turns)} "
+             f"{args.threads} thread(s), prefix caching on, KV blocks per replica "
+             f"{args.num_kv_blocks or 'as configured'}; {len(convs)} conversations of {min(turns)}-{max(turns)} "
              f"turns ({sum(turns)} requests per row) from {Path(args.prompts).name}, greedy, max_tokens "
              f"{args.max_tokens}, think time {args.think_s} s mean; a fresh server per row", "",
              "| concurrency | router | TTFT p50 ms | TTFT p90 ms | p50 turn 2+ | p90 turn 2+ | output tok/s | "
@@ -131,8 +138,14 @@ def main() -> None:
     add_workload_options(ap, concurrency="4,16", num_conversations=24)
     ap.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2),
                     help="engine.num_threads of each replica")
+    ap.add_argument("--num-kv-blocks", type=int, default=None,
+                    help="engine.num_kv_blocks of each replica (default: the config's sizing). A cache that holds "
+                         "about half the conversations puts it under pressure: a router that spreads a "
+                         "conversation over both replicas then evicts what one that follows the cache keeps")
     ap.add_argument("--out", default="benchmarks/results/prefix_routing", help="output path without suffix")
     args = ap.parse_args()
+    if args.num_kv_blocks is not None and args.num_kv_blocks < 1:
+        ap.error(f"--num-kv-blocks must be >= 1, got {args.num_kv_blocks}")
     cfg, levels, convs, results = load_workload(ap, args)
     names = list(ROUTERS)
     with tempfile.TemporaryDirectory(prefix="rdserve-routing-") as tmp:
