@@ -28,7 +28,7 @@
  *   (12 accumulators, the two operands and two temporaries fill the 16 ymm registers).
  * - Q8_0 (q8_0_rows_q): in four quarters of 8 outputs, one int32 accumulator per row (vpsignb,
  *   vpmaddubsw, vpmaddwd, vpaddd per row and group), up to ROWS_Q8_0_AVX2 rows.
- * Against the kernels before (GCC's spills; Q8_0 with two accumulators per row): 1.18x on the default
+ * Against the kernels before (GCC's spills; Q8_0 with two accumulators per row): 1.17x on the default
  * model's shapes at 16 rows (benchmarks/int8_activations.py, BENCHMARKS.md section 16). Every output
  * sums the same products in the same order either way.
  */
