@@ -3,7 +3,8 @@
 Conversations of ``--min-turns`` to ``--max-turns`` user turns (drawn from ``--seed``), each user turn a
 chat prompt of ``--prompts`` (a prompt JSONL, read at run time; rows of at most ``--max-turn-tokens``
 tokens; no two conversations open with the same prompt), all sharing one fixed system prompt of about
-500 tokens (``SYSTEM_PROMPT``, an assistant policy). A conversation is sequential: turn k's request
+500 tokens (``SYSTEM_PROMPT``, an assistant policy; ``--system-prompt default`` sends none, so the chat
+template's short default is all they share). A conversation is sequential: turn k's request
 carries the system prompt, the earlier user turns, the assistant's earlier answers as the server
 returned them, and the new user turn. Requests stream (``stream_options.include_usage``), temperature 0,
 ``--max-tokens``; turns that would not fit ``engine.max_seq_len`` are dropped from a conversation's end.
@@ -134,7 +135,7 @@ def conversations(pool: list[tuple[int, str]], args, tokenizer, max_seq_len: int
         rest = rng.sample([i for i in range(len(pool)) if i != first], n - 1)
         turns = [pool[i] for i in [first, *rest]]
         while True:
-            messages = [{"role": "system", "content": SYSTEM_PROMPT}]
+            messages = opening(args)
             for _, text in turns:
                 messages += [{"role": "user", "content": text}, {"role": "assistant", "content": ""}]
             worst = (len(apply_chat_template(tokenizer, messages[:-1]))
@@ -211,7 +212,7 @@ async def run_level(base_url: str, model: str, convs: list[dict], concurrency: i
 
         async def client_loop() -> None:
             for conv in queue:
-                messages = [{"role": "system", "content": SYSTEM_PROMPT}]
+                messages = opening(args)
                 for turn, user in enumerate(conv["turns"], 1):
                     messages.append({"role": "user", "content": user})
                     body = {"model": model, "messages": messages, "max_tokens": args.max_tokens, "temperature": 0.0,
@@ -362,6 +363,12 @@ def report(args, results: dict, levels: list[int]) -> str:
     return "\n".join(lines)
 
 
+def opening(args) -> list[dict]:
+    """A conversation's first messages: the shared ~500-token system prompt (``--system-prompt policy``), or
+    none (``default``: the chat template's own short default system prompt is the only shared prefix)."""
+    return [{"role": "system", "content": SYSTEM_PROMPT}] if args.system_prompt == "policy" else []
+
+
 def add_workload_options(ap: argparse.ArgumentParser, concurrency: str, num_conversations: int) -> None:
     """The options of the multi-turn workload (shared with ``benchmarks/prefix_routing.py``)."""
     ap.add_argument("--config", default="configs/local.yaml", help="rdserve config served")
@@ -378,6 +385,10 @@ def add_workload_options(ap: argparse.ArgumentParser, concurrency: str, num_conv
                     "(default: the server's)")
     ap.add_argument("--think-s", type=float, default=0.0, help="mean seconds a user pauses between turns "
                     "(exponential, seeded); 0 = the next turn goes right after the answer")
+    ap.add_argument("--system-prompt", choices=["policy", "default"], default="policy",
+                    help="the prefix every conversation shares: 'policy', a ~500-token system prompt (the "
+                         "issue's workload), or 'default', no system message (the chat template's short "
+                         "default), so each conversation's own history is most of its prompt")
     ap.add_argument("--seed", type=int, default=0, help="draws the conversations")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
 
@@ -397,7 +408,8 @@ def load_workload(ap: argparse.ArgumentParser, args) -> tuple:
     convs = conversations(user_turns(args.prompts, tokenizer, args.max_turn_tokens), args, tokenizer,
                           cfg.engine.max_seq_len)
     results: dict = {"command": shlex.join(["python", *sys.argv]), "cpu": cpu_model(), "args": vars(args),
-                     "system_prompt_tokens": len(tokenizer.encode(SYSTEM_PROMPT, add_special_tokens=False)),
+                     "system_prompt_tokens": sum(len(tokenizer.encode(m["content"], add_special_tokens=False))
+                                                 for m in opening(args)),
                      "conversations": [{"id": c["id"], "lines": c["lines"]} for c in convs], "levels": {},
                      "comparison": {}}
     return cfg, levels, convs, results

@@ -28,6 +28,8 @@ Usage:
         --concurrency 16 --think-s 3 --out benchmarks/results/prefix_routing_think   # users pause between turns
     python benchmarks/prefix_routing.py --config configs/local.yaml --num-conversations 24 \\
         --concurrency 16 --num-kv-blocks 1024 --out benchmarks/results/prefix_routing_pressure  # caches under pressure
+    python benchmarks/prefix_routing.py --config configs/local.yaml --num-conversations 24 --concurrency 16 \\
+        --think-s 3 --system-prompt default --out benchmarks/results/prefix_routing_own  # little shared prefix
     python benchmarks/prefix_routing.py --num-conversations 2 --min-turns 3 --max-turns 3 \\
         --concurrency 2 --max-tokens 8 --out /tmp/prefix_routing_smoke          # a quick check
 """
@@ -112,7 +114,8 @@ def report(args, results: dict, levels: list[int]) -> str:
     turns = [len(c["lines"]) for c in convs]
     lines = [f"CPU: {results['cpu']}; compute path: {results['compute_path']}; config {args.config}, 2 replicas x "
              f"{args.threads} thread(s), prefix caching on, KV blocks per replica "
-             f"{args.num_kv_blocks or 'as configured'}; {len(convs)} conversations of {min(turns)}-{max(turns)} "
+             f"{args.num_kv_blocks or 'as configured'}, system prompt '{args.system_prompt}' "
+             f"({results['system_prompt_tokens']} tokens); {len(convs)} conversations of {min(turns)}-{max(turns)} "
              f"turns ({sum(turns)} requests per row) from {Path(args.prompts).name}, greedy, max_tokens "
              f"{args.max_tokens}, think time {args.think_s} s mean; a fresh server per row", "",
              "| concurrency | router | TTFT p50 ms | TTFT p90 ms | p50 turn 2+ | p90 turn 2+ | output tok/s | "
