@@ -32,6 +32,7 @@ from workers.redrafter.beam_search import draft_beams_batch, draft_distinct_firs
 from workers.redrafter.fused_draft import draft_distinct_first_fused
 from workers.redrafter.drafter import ReDrafter
 from workers.redrafter.prompt_lookup import NgramIndex, PromptLookup
+from workers.redrafter.pruning import prune_beams
 from workers.redrafter.tree import PrefixTree, build_prefix_tree
 from workers.sampling import SamplingParams, adjusted_probs, greedy_tokens, keyed_uniform, sample_keyed
 from workers.sequence import Sequence
@@ -124,7 +125,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, context: list[tuple[Sequence, int, int]], generation: list[Sequence],
-            spec_shape: tuple[int, int] | None, draft_limits: dict[str, int] | None = None) -> list[StepResult]:
+            spec_shape: tuple[int, int] | None, draft_limits: dict[str, int] | None = None,
+            min_draft_prob: float = 0.0) -> list[StepResult]:
         """Execute one iteration.
 
         Args:
@@ -134,12 +136,15 @@ class ModelRunner:
                 or None for plain steps only.
             draft_limits: request id -> most draft tokens this step may add to any beam (a request
                 near its token limit drafts fewer; 0 means a plain step). Missing ids: no limit.
+            min_draft_prob: draft tokens whose path probability under the drafter is below this are
+                not verified (:func:`workers.redrafter.pruning.prune_beams`; distinct-first drafts
+                only); 0 verifies the whole shape.
 
         Returns:
             one :class:`StepResult` per scheduled sequence, context chunks first. Sequences'
             ``num_computed_tokens`` and ``output_token_ids`` are updated.
         """
-        rows = self._draft(generation, spec_shape, draft_limits or {})
+        rows = self._draft(generation, spec_shape, draft_limits or {}, min_draft_prob)
         rows = sorted(rows, key=lambda r: -r.num_nodes)  # widest first; equal widths are adjacent (stable)
         if self.split_mixed and context and rows:
             hidden, logit_rows, last_rows, row_starts, prompt_rows = self._forward_apart(context, rows)
@@ -238,7 +243,8 @@ class ModelRunner:
         return (torch.cat([hidden_ctx, hidden_gen]), logit_rows + [r + n for r in gen_logit_rows], last_rows,
                 [r + n for r in row_starts], prompt_rows)
 
-    def _draft(self, generation: list[Sequence], spec_shape, limits: dict[str, int]) -> list[_GenRow]:
+    def _draft(self, generation: list[Sequence], spec_shape, limits: dict[str, int],
+               min_prob: float = 0.0) -> list[_GenRow]:
         rows = [_GenRow(seq, None, seq.num_computed_tokens) for seq in generation]
         if spec_shape is None or self.drafter is None:
             return rows
@@ -248,22 +254,33 @@ class ModelRunner:
             return rows
         context = torch.stack([r.seq.runner_state.hidden for r in spec])
         roots = torch.tensor([r.seq.output_token_ids[-1] for r in spec], device=context.device)
-        beams = None
-        if self.draft_search == "distinct_first" or num_beams == 1 or draft_len == 1:  # the same beams (up to near-ties)
+        beams = probs = None
+        distinct = self.draft_search == "distinct_first" or num_beams == 1 or draft_len == 1  # the same beams
+        prune = min_prob > 0 and distinct  # (up to near-ties); beam search's beams carry no per-token probabilities
+        if distinct:
             embed = getattr(self.executor, "embed_weight", None)
             if embed is not None:
-                beams = draft_distinct_first_fused(self.drafter, embed, context, roots, num_beams, draft_len)
+                beams = draft_distinct_first_fused(self.drafter, embed, context, roots, num_beams, draft_len,
+                                                   with_probs=prune)
         if beams is None:
-            search = draft_distinct_first_batch if self.draft_search == "distinct_first" else draft_beams_batch
-            beams = search(self.drafter, self.executor.embed, context, roots, num_beams, draft_len).cpu()
-        for r, b in zip(spec, beams):
+            search = draft_distinct_first_batch if distinct else draft_beams_batch
+            beams = search(self.drafter, self.executor.embed, context, roots, num_beams, draft_len, *([True] * prune))
+        if prune:
+            beams, probs = beams[0].cpu(), beams[1].cpu().tolist()
+        else:
+            beams = beams.cpu()
+        for i, (r, b) in enumerate(zip(spec, beams)):
             budget = limits.get(r.seq.request_id, self.max_draft_depth(spec_shape))
             tree_beams = b[:, : min(draft_len, budget) + 1].tolist()
+            root = tree_beams[0][0]
+            if prune:
+                tree_beams = prune_beams(tree_beams, probs[i], min_prob) or [[root]]
             if self.lookup is not None:
                 r.lookup = self._lookup_beam(r.seq, min(self._lookup_length(r.seq), budget))
                 if r.lookup:
-                    tree_beams.append([tree_beams[0][0]] + r.lookup)
-            r.tree = build_prefix_tree(tree_beams)
+                    tree_beams.append([root] + r.lookup)
+            if tree_beams != [[root]]:  # every draft token cut: a plain step
+                r.tree = build_prefix_tree(tree_beams)
         return rows
 
     def _lookup_length(self, seq: Sequence) -> int:

@@ -46,7 +46,8 @@ def test_the_engine_drafts_in_c_when_the_beams_are_the_same(restricted, monkeypa
     real_fused = model_runner.draft_distinct_first_fused
     calls = {"fused": 0, "python": 0}
 
-    def spy_fused(drafter, embed_weight, context, roots, num_beams, draft_len):
+    def spy_fused(drafter, embed_weight, context, roots, num_beams, draft_len, with_probs=False):
+        assert not with_probs, "a fixed shape is verified whole"
         got = real_fused(drafter, embed_weight, context, roots, num_beams, draft_len)
         assert got is not None, "the engine's drafter should take the C path"
         want = python_search(drafter, lambda ids: embed_weight[ids], context, roots, num_beams, draft_len)
@@ -80,7 +81,7 @@ def test_batched_requests_draft_together_in_c(restricted, monkeypatch):
     real_fused = model_runner.draft_distinct_first_fused
     batch_sizes = []
 
-    def spy_fused(drafter, embed_weight, context, roots, num_beams, draft_len):
+    def spy_fused(drafter, embed_weight, context, roots, num_beams, draft_len, with_probs=False):
         got = real_fused(drafter, embed_weight, context, roots, num_beams, draft_len)
         want = model_runner.draft_distinct_first_batch(drafter, lambda ids: embed_weight[ids], context, roots,
                                                        num_beams, draft_len)
@@ -100,3 +101,38 @@ def test_batched_requests_draft_together_in_c(restricted, monkeypatch):
             got[d.request_id] += d.token_ids
     assert got == want
     assert max(batch_sizes) == len(prompts)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_trees_cut_by_the_drafters_confidence_verify_fewer_rows_and_keep_the_output(restricted, monkeypatch, fused):
+    """With a path-probability threshold (``speculation.auto.prune_trees``), each request verifies only
+    the draft tokens its drafter is sure enough of: fewer rows than the whole 2x3 shape, some steps no
+    draft token at all, and every output still equals its plain output (C draft and Python draft)."""
+    model_dir, drafter_dir = restricted
+    engine = load_engine(str(model_dir), str(drafter_dir), num_beams=2, draft_len_per_beam=3, max_seq_len=256)
+    if not fused:
+        monkeypatch.setattr(model_runner, "draft_distinct_first_fused", lambda *a, **k: None)
+    prompts = {f"r{i}": [7 + i, 40 + 3 * i, 11, 90 - i, 5 + 2 * i][: 2 + i] for i in range(4)}
+    params = SamplingParams(max_tokens=20)
+    want = {rid: [t for d in engine.generate(p, params, "plain") for t in d.token_ids] for rid, p in prompts.items()}
+    kept = []
+    real_prune = model_runner.prune_beams
+
+    def spy_prune(beams, probs, min_prob):
+        out = real_prune(beams, probs, min_prob)
+        assert min_prob == 0.02 and all(0.0 < p <= 1.0 for row in probs for p in row)
+        kept.append((sum(len(b) - 1 for b in beams), sum(len(b) - 1 for b in out)))
+        return out
+
+    monkeypatch.setattr(model_runner, "prune_beams", spy_prune)
+    monkeypatch.setattr(engine.spec_policy, "min_draft_prob", lambda b, shape: 0.02)
+    got = {rid: [] for rid in prompts}
+    for rid, p in prompts.items():
+        engine.add_request(rid, p, params, "spec")
+    while engine.num_unfinished:
+        for d in engine.step():
+            got[d.request_id] += d.token_ids
+    assert got == want
+    assert kept and max(w for w, _ in kept) == 6  # the whole 2x3 shape (fewer near max_tokens)
+    assert sum(k for _, k in kept) < sum(w for w, _ in kept)
+    assert any(k == 0 for _, k in kept) and any(k > 0 for _, k in kept)

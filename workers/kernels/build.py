@@ -293,7 +293,7 @@ def _load_once(isa: str) -> tuple[ctypes.CDLL | None, KernelUnavailable | None]:
     lib.rd_silu_mul.restype = None
     lib.rd_decoder_forward.argtypes = [P, L, P, L, P, P, P, P, P, P] + [L] * 6 + [F, F]
     lib.rd_decoder_forward.restype = ctypes.c_int
-    lib.rd_draft_distinct_first.argtypes = [P, P, P, L, L, L, P]
+    lib.rd_draft_distinct_first.argtypes = [P, P, P, L, L, L, P, P]
     lib.rd_draft_distinct_first.restype = ctypes.c_int
     lib.rd_panel_width.restype = ctypes.c_int
     lib.rd_amx_request.restype = ctypes.c_int

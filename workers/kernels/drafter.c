@@ -105,12 +105,31 @@ static void top_k(const float *v, long n, long width, long *idx) {
     }
 }
 
+/* sum over i < n of exp(v[i] - vmax), vmax >= every v[i]: a softmax's denominator (vexp_nonpositive;
+ * the tail lanes padded with -inf's stand-in, -87, whose exp adds below a float's resolution of 1). */
+static float sum_exp(const float *v, long n, float vmax) {
+    vf acc = vzero(), m = vset1(vmax);
+    long i = 0;
+    for (; i + VL <= n; i += VL) acc = vadd(acc, vexp_nonpositive(vsub(vload(v + i), m)));
+    if (i < n) {
+        float t[VL];
+        for (long k = 0; k < VL; k++) t[k] = i + k < n ? v[i + k] - vmax : -87.0f;
+        acc = vadd(acc, vexp_nonpositive(vload(t)));
+    }
+    float lanes[VL], s = 0.0f;
+    vstore(lanes, acc);
+    for (long k = 0; k < VL; k++) s += lanes[k];
+    return s;
+}
+
 /* ctx: [B, H] base hidden states; roots: [B] the tokens the base model chose; out: [B, width,
- * draft_len + 1] token ids (column 0 the root), beams ordered by their first draft token's logit.
+ * draft_len + 1] token ids (column 0 the root), beams ordered by their first draft token's logit;
+ * prob (NULL: not computed): [B, width, draft_len] the drafter's softmax probability of each drafted
+ * token given the beam's earlier ones (NaN where the logits hold a NaN).
  * width <= 64 and <= V'; draft_len >= 1. Returns 0, -1 when out of memory, -2 for an unknown
  * linear kind, -3 for a width or draft_len out of range, -4 for a token outside the embedding. */
 int rd_draft_distinct_first(const rd_drafter *d, const float *ctx, const int64_t *roots, long B, long width,
-                            long draft_len, int64_t *out) {
+                            long draft_len, int64_t *out, float *prob) {
     const long H = d->H, V = d->head.N, M = B * width, L = draft_len + 1;
     if (width < 1 || width > 64 || width > V || draft_len < 1) return -3;
     const size_t floats = (size_t)M * (size_t)(2 * 2 * H + 4 * H + V);
@@ -133,12 +152,15 @@ int rd_draft_distinct_first(const rd_drafter *d, const float *ctx, const int64_t
     }
     if ((status = draft_logits(d, ctx, row_seq, B, &w))) goto done;
     for (long b = 0; b < B; b++) {
-        top_k(w.logits + b * V, V, width, top + b * width);
+        const float *v = w.logits + b * V;
+        top_k(v, V, width, top + b * width);
+        const float vmax = v[top[b * width]], sum = prob ? sum_exp(v, V, vmax) : 0.0f;
         for (long k = 0; k < width; k++) {
             long i = top[b * width + k];
             int64_t *o = out + (b * width + k) * L;
             o[0] = roots[b];
             o[1] = tok[b * width + k] = d->draft_vocab ? d->draft_vocab[i] : i;
+            if (prob) prob[(b * width + k) * draft_len] = expf(v[i] - vmax) / sum;
         }
     }
     if (draft_len > 1) { /* every beam continues from its sequence's first-position state */
@@ -159,6 +181,7 @@ int rd_draft_distinct_first(const rd_drafter *d, const float *ctx, const int64_t
             for (long i = 1; i < V; i++)
                 if (better(v[i], v[best])) best = i;
             out[m * L + pos] = tok[m] = d->draft_vocab ? d->draft_vocab[best] : best;
+            if (prob) prob[m * draft_len + pos - 1] = 1.0f / sum_exp(v, V, v[best]);
         }
     }
 done:

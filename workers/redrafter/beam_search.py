@@ -65,7 +65,8 @@ def draft_distinct_first_batch(
     roots: torch.Tensor,
     num_beams: int,
     draft_len_per_beam: int,
-) -> torch.Tensor:
+    with_probs: bool = False,
+):
     """Beams that start with the ``num_beams`` most likely first draft tokens, each continued greedily.
 
     Beam search (:func:`draft_beams_batch`) keeps the best sequences, which often share their first
@@ -74,16 +75,24 @@ def draft_distinct_first_batch(
     the rest of each beam is the drafter's argmax: more first tokens are accepted (the drafter's card
     and BENCHMARKS.md give the figures). Same arguments and result layout as :func:`draft_beams_batch`; beams ordered by
     their first token's score; with ``num_beams`` 1 the two are the same.
+
+    With ``with_probs`` it returns ``(beams, probs)``: ``probs [B, width, draft_len_per_beam] float32``,
+    the drafter's softmax probability of each drafted token given its beam's earlier tokens (the
+    confidence :func:`workers.redrafter.pruning.prune_beams` ranks draft tokens by).
     """
     ids = drafter.draft_vocab
-    beams, state, _, _ = _first_level(drafter, embed, context, roots, num_beams, False)
+    beams, state, scores, _ = _first_level(drafter, embed, context, roots, num_beams, with_probs)
     B, width = beams.shape[:2]
+    probs = [scores.float().exp()] if with_probs else None  # log-probabilities -> probabilities, [B, width]
     for _ in range(draft_len_per_beam - 1):
         state = drafter.step_state(state, embed(beams[:, :, -1]))  # [B, width, H]
-        nxt = drafter.logits(context[:, None].expand(B, width, -1), state).argmax(-1)  # [B, width]
+        logits = drafter.logits(context[:, None].expand(B, width, -1), state)  # [B, width, V]
+        nxt = logits.argmax(-1)  # [B, width]
+        if with_probs:
+            probs.append(torch.softmax(logits.float(), dim=-1).gather(-1, nxt[:, :, None])[:, :, 0])
         nxt = nxt if ids is None else ids[nxt]
         beams = torch.cat([beams, nxt[:, :, None]], 2)
-    return beams
+    return (beams, torch.stack(probs, dim=2)) if with_probs else beams
 
 
 def _first_level(drafter: ReDrafter, embed, context: torch.Tensor, roots: torch.Tensor, num_beams: int,

@@ -105,17 +105,23 @@ def fused_table(drafter: ReDrafter, embed_weight: torch.Tensor) -> _Drafter | No
 
 
 def draft_distinct_first_fused(drafter: ReDrafter, embed_weight: torch.Tensor, context: torch.Tensor,
-                               roots: torch.Tensor, num_beams: int, draft_len_per_beam: int) -> torch.Tensor | None:
+                               roots: torch.Tensor, num_beams: int, draft_len_per_beam: int,
+                               with_probs: bool = False):
     """:func:`~workers.redrafter.beam_search.draft_distinct_first_batch` in C, or None when the drafter
     cannot take the C path (:func:`fused_table`; the caller then runs the Python search).
 
     Args:
         embed_weight: the base model's input embedding ``[vocab, H] float32`` (``e`` in Sec. 3.1).
         context: ``[B, H] float32`` base hidden states; roots: ``[B] long``.
+        with_probs: also return each drafted token's probability.
 
     Returns:
         beams ``[B, width, draft_len_per_beam + 1] long``, ``width = min(num_beams, draft vocabulary)``;
-        column 0 is the root, beams ordered by their first draft token's logit.
+        column 0 is the root, beams ordered by their first draft token's logit. With ``with_probs``,
+        ``(beams, probs)``: ``probs [B, width, draft_len_per_beam] float32`` the drafter's softmax
+        probability of each drafted token given its beam's earlier tokens (as
+        :func:`~workers.redrafter.beam_search.draft_distinct_first_batch` with ``with_probs``; NaN
+        where the logits hold a NaN).
 
     Raises:
         ValueError: ``num_beams`` or ``draft_len_per_beam`` below 1, shapes that do not fit, or a root
@@ -135,12 +141,14 @@ def draft_distinct_first_fused(drafter: ReDrafter, embed_weight: torch.Tensor, c
     roots = roots.to("cpu", torch.long).contiguous()
     width = min(num_beams, table.head.N)
     out = torch.empty(B, width, draft_len_per_beam + 1, dtype=torch.long)
+    probs = torch.empty(B, width, draft_len_per_beam, dtype=torch.float32) if with_probs else None
     status = build.kernel(drafter._packed_head.isa, "rd_draft_distinct_first")(
-        ctypes.addressof(table), ctx.data_ptr(), roots.data_ptr(), B, width, draft_len_per_beam, out.data_ptr())
+        ctypes.addressof(table), ctx.data_ptr(), roots.data_ptr(), B, width, draft_len_per_beam, out.data_ptr(),
+        None if probs is None else probs.data_ptr())
     if status == -1:
         raise MemoryError(f"the drafter could not allocate scratch memory for {B * width} rows")
     if status == -4:
         raise ValueError(f"a root token is outside the embedding's {embed_weight.shape[0]} rows: {roots.tolist()}")
     if status:
         raise RuntimeError(f"rd_draft_distinct_first failed with status {status}")
-    return out
+    return (out, probs) if with_probs else out

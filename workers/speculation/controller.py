@@ -47,6 +47,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from workers.redrafter.pruning import min_path_prob
 from workers.speculation.exploration import ProbeBudget, unexplored
 from workers.speculation.goodput import (Shape, StepCosts, best_choice, live_taus, plain_rate, rate_of,
                                         spec_rate)
@@ -70,6 +71,7 @@ class ControllerSettings:
         probed again; samples older than twice this leave the median once it is re-sampled.
     probe_weight: the most one probe of a replica held plain weighs in the replica's tokens-per-step
         average (after a gap of plain iterations).
+    prune_trees: :meth:`SpecController.min_draft_prob` prices draft rows (False: every tree whole).
     """
 
     margin: float = 0.05
@@ -82,6 +84,7 @@ class ControllerSettings:
     explore_budget: float = 0.05
     explore_refresh: int = 512
     probe_weight: float = 0.25
+    prune_trees: bool = False
 
 
 @dataclass
@@ -174,6 +177,18 @@ class SpecController:
             self.current, self._streak, self.switches = best.shape, 0, self.switches + 1
         choice = self._maybe_probe(b) if self.current is None else self.current
         return choice if self.probing else self._explore(b, choice)
+
+    def min_draft_prob(self, b: int, shape: Shape) -> float:
+        """The path probability a draft token needs to be verified in an iteration of ``b`` requests with
+        ``shape`` (0 with ``prune_trees`` off; :func:`workers.redrafter.pruning.min_path_prob`): the
+        iteration makes ``b * tau / t_spec`` tokens/s, and one more row of one request costs
+        ``row_s / b`` seconds (the seed's per-row slope at ``b`` times the live correction of the
+        shape's step time), so a row pays when its path probability exceeds ``tau * row_s / t_spec``."""
+        if not self.settings.prune_trees or b < 1:
+            return 0.0
+        t = self.costs.t_spec(b, shape)
+        row_s = self.costs.row_s(b) * self.costs.ratio(max(1, round(b)), shape)
+        return min_path_prob(row_s / b, b * self.taus()[shape] / t) if t > 0 else 0.0
 
     def _explore(self, b: int, choice: Shape | None) -> Shape | None:
         """``choice``, or instead the cheapest choice with too few step-time samples at ``b``'s bucket

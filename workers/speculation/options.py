@@ -50,6 +50,12 @@ class AutoSettings(_Options):
                                    "calibrated shape at start_batch_sizes for a few seconds before serving and start "
                                    "from those step times (logged); false: start from the file's. Live iterations "
                                    "correct either")
+    prune_trees: bool = Field(False, description="each request's draft tree keeps only the draft tokens whose "
+                              "probability under the drafter (the product along their beam) exceeds what a verified "
+                              "row costs at the iteration's batch size and rate (workers/redrafter/pruning.py): "
+                              "confident requests verify the whole shape, unsure ones fewer rows or none. Output is "
+                              "unchanged; distinct-first drafts only (draft_search). Off by default: on the EPYC "
+                              "AVX2 it did not beat whole trees (BENCHMARKS.md 17)")
     start_batch_sizes: list[Annotated[int, Field(ge=1)]] = Field(
         [1, 8], min_length=1, description="batch sizes the start-up measurement times (those above "
         "engine.max_batch_size are skipped)")

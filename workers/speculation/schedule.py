@@ -209,6 +209,10 @@ class TablePolicy:
         self._iterations += 1
         return self._last_shape
 
+    def min_draft_prob(self, b: int, shape: Shape) -> float:
+        """A table's shape is verified whole (a forced shape measures what was asked for)."""
+        return 0.0
+
     def new_request_state(self) -> None:
         return None  # a table keeps no per-request state
 

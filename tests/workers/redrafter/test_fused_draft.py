@@ -53,6 +53,32 @@ def test_fused_draft_proposes_what_the_python_search_proposes(head_type, kernels
         assert set(got[:, :, 1:].flatten().tolist()) <= set(d.draft_vocab.tolist())
 
 
+@pytest.mark.parametrize("kernels", ["float32", "int8"])
+def test_fused_draft_gives_the_python_searchs_draft_probabilities(kernels):
+    """Each drafted token's probability under the drafter (softmax over the draft vocabulary, given its
+    beam's earlier tokens), from C as from the Python search; first-position ones fall with the beam."""
+    d, embed = _drafter("shared", kernels, seed=6)
+    gen = torch.Generator().manual_seed(7)
+    for B, beams, depth in [(1, 1, 1), (2, 3, 2), (3, 2, 4)]:
+        ctx = torch.randn(B, HIDDEN, generator=gen)
+        roots = torch.randint(0, VOCAB, (B,), generator=gen)
+        want_beams, want = draft_distinct_first_batch(d, lambda ids: embed[ids], ctx, roots, beams, depth,
+                                                      with_probs=True)
+        got_beams, got = draft_distinct_first_fused(d, embed, ctx, roots, beams, depth, with_probs=True)
+        assert torch.equal(got_beams, want_beams)
+        assert got.shape == (B, beams, depth) and got.dtype == torch.float32
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+        assert ((got > 0) & (got <= 1)).all()
+        assert (got[:, :-1, 0] >= got[:, 1:, 0]).all()
+    # a softmax's: over a draft vocabulary of 3 tokens, the 3 first-position beams' probabilities sum to 1
+    d, embed = _drafter("shared", "q8_0", layers=1)
+    d.restrict_vocab(torch.tensor([5, 9, 11]))
+    quantize_drafter_for_cpu(d)  # the new draft head on the kernels too
+    _, p = draft_distinct_first_fused(d, embed, torch.randn(2, HIDDEN), torch.tensor([3, 4]), 8, 1, with_probs=True)
+    assert p.shape == (2, 3, 1)
+    torch.testing.assert_close(p.sum(dim=1), torch.ones(2, 1), rtol=0, atol=1e-5)
+
+
 def test_with_one_beam_or_one_draft_token_it_is_redrafters_beam_search():
     d, embed = _drafter("shared", "int8", seed=3)
     gen = torch.Generator().manual_seed(2)

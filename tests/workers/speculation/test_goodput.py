@@ -247,3 +247,22 @@ def test_a_request_is_priced_with_its_own_lookup_rows():
     assert c.drafts(unknown, 1, (1, 1)) == (c.taus()[(1, 1)] >= break_even_tau(c.costs, 1, (1, 1)))
     c.observe(unknown, None, False, 0, 1)  # a plain step reports no tree rows
     assert unknown.extra_rows is None
+
+
+def test_pruning_threshold_is_what_a_row_costs_in_tokens_at_the_iterations_rate():
+    """``prune_trees``: a draft token is verified when its path probability beats ``tau * row_s /
+    t_spec`` (workers/redrafter/pruning.py): at batch 1 here a row costs 2 ms of a 7 ms step making
+    1.7 tokens, so 0.486; at batch 8 rows cost more of the step, so a token must be surer; a slower
+    live step of the shape scales the row's cost and the step alike; off, every tree is whole."""
+    seed = StepCosts(plain_s={1: 0.005, 8: 0.014}, spec_s={(1, 1): {1: 0.007, 8: 0.033}, (1, 2): {1: 0.009, 8: 0.045}},
+                     tokens_per_step={(1, 1): 1.7, (1, 2): 1.9})  # 2 ms per row at 1, 12 ms per 8 rows at 8
+    on = SpecController(seed, ControllerSettings(prune_trees=True))
+    assert on.min_draft_prob(1, (1, 1)) == pytest.approx(1.7 * 0.002 / 0.007)
+    assert on.min_draft_prob(8, (1, 1)) == pytest.approx(1.7 * (0.012 / 8) / (0.033 / 8))
+    assert on.min_draft_prob(8, (1, 1)) > on.min_draft_prob(1, (1, 1))
+    assert on.min_draft_prob(0, (1, 1)) == 0.0
+    for _ in range(20):  # live steps of 1x1 at batch 1 twice the seed's
+        on.observe_step((1, 1), 1, 1, 0, 0.014, None, 2)
+    assert on.min_draft_prob(1, (1, 1)) == pytest.approx(1.7 * 0.002 / 0.007, rel=0.02)
+    off = SpecController(seed, ControllerSettings())
+    assert off.min_draft_prob(1, (1, 1)) == 0.0
