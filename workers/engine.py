@@ -285,6 +285,8 @@ class Engine:
             out = stream.append(r.tokens)
             if r.generation_step:
                 limit = limits.get(seq.request_id, 0)
+                if r.draft_depth == 0:  # every draft token cut by confidence (prune_trees): a plain step
+                    limits[seq.request_id] = limit = 0
                 if limit == 0 or limit >= full_depth:  # a tree cut short by max_tokens tells nothing
                     self.spec_policy.observe(seq.spec_state, plan.spec_shape, limit > 0,
                                              r.accepted_draft_tokens, r.num_rows)

@@ -141,10 +141,10 @@ def test_step_time_stat_leaves_prefill_iterations_out(tiny_model_dirs, monkeypat
                                         num_kv_blocks=64, tokens_per_block=4))
     real_run = engine.engine.runner.run
 
-    def slow_prefill(context, generation, shape, limits):
+    def slow_prefill(context, generation, shape, limits, *rest):
         if context:
             time.sleep(0.3)
-        return real_run(context, generation, shape, limits)
+        return real_run(context, generation, shape, limits, *rest)
 
     monkeypatch.setattr(engine.engine.runner, "run", slow_prefill)
 

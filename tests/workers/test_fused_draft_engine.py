@@ -126,6 +126,10 @@ def test_trees_cut_by_the_drafters_confidence_verify_fewer_rows_and_keep_the_out
 
     monkeypatch.setattr(model_runner, "prune_beams", spy_prune)
     monkeypatch.setattr(engine.spec_policy, "min_draft_prob", lambda b, shape: 0.02)
+    reported = []  # (drafted, rows) as the policy hears of each step
+    real_observe = engine.spec_policy.observe
+    monkeypatch.setattr(engine.spec_policy, "observe", lambda state, shape, drafted, accepted, rows=None: (
+        reported.append((drafted, rows)), real_observe(state, shape, drafted, accepted, rows)))
     got = {rid: [] for rid in prompts}
     for rid, p in prompts.items():
         engine.add_request(rid, p, params, "spec")
@@ -136,3 +140,5 @@ def test_trees_cut_by_the_drafters_confidence_verify_fewer_rows_and_keep_the_out
     assert kept and max(w for w, _ in kept) == 6  # the whole 2x3 shape (fewer near max_tokens)
     assert sum(k for _, k in kept) < sum(w for w, _ in kept)
     assert any(k == 0 for _, k in kept) and any(k > 0 for _, k in kept)
+    # a request whose every draft token was cut made a plain step, and the policy hears of it as one
+    assert (False, 1) in reported and all(rows > 1 for drafted, rows in reported if drafted)

@@ -106,8 +106,11 @@ static void top_k(const float *v, long n, long width, long *idx) {
 }
 
 /* sum over i < n of exp(v[i] - vmax), vmax >= every v[i]: a softmax's denominator (vexp_nonpositive;
- * the tail lanes padded with -inf's stand-in, -87, whose exp adds below a float's resolution of 1). */
+ * the tail lanes padded with -inf's stand-in, -87, whose exp adds below a float's resolution of 1).
+ * NaN when vmax is not finite (a NaN or infinite logit: vexp_nonpositive would clamp the NaN of
+ * inf - inf to -87 and give a finite sum). */
 static float sum_exp(const float *v, long n, float vmax) {
+    if (!isfinite(vmax)) return NAN;
     vf acc = vzero(), m = vset1(vmax);
     long i = 0;
     for (; i + VL <= n; i += VL) acc = vadd(acc, vexp_nonpositive(vsub(vload(v + i), m)));

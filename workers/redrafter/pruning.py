@@ -10,8 +10,8 @@ probabilities of the beam's tokens up to ``k``. Keeping a node is worth it when 
 costs ``dt`` seconds pays when ``p > R * dt`` (:func:`min_path_prob`). Confident requests keep their
 whole tree, unsure ones a shorter one or none (their step is then plain).
 
-A path probability never grows along a beam, so cutting every beam at its first node below the
-threshold leaves a prefix-closed tree. Verification is unchanged, so greedy output is too: only how
+A path probability never grows along a beam (each factor is at most 1), and cutting each beam at
+its first node below the threshold keeps a prefix of it, so the kept beams form a prefix-closed tree. Verification is unchanged, so greedy output is too: only how
 many rows are verified changes.
 
 Pure functions; no torch.
@@ -30,7 +30,7 @@ def prune_beams(beams: list[list[int]], probs: list[list[float]], min_prob: floa
         probs: ``[width][d']`` (``d' >= d``) the drafter's probability of each drafted token given its
             beam's earlier tokens; a NaN counts as below every threshold.
         min_prob: the threshold on the path probability (product of ``probs`` along the beam); 0 keeps
-            every beam whole.
+            every beam whole up to its first NaN.
 
     Returns:
         the kept beams, each ``[root, t1, ..]`` with at least one drafted token, in their order;

@@ -48,6 +48,7 @@ class SpecPolicy(Protocol):
     def min_draft_prob(self, b: int, shape: DraftShape) -> float:
         """The path probability under the drafter a draft token needs to be verified in an iteration of
         ``b`` requests with ``shape`` (:mod:`workers.redrafter.pruning`; 0: every tree whole)."""
+        ...
     def new_request_state(self) -> object | None: ...
 
     def drafts(self, state: object | None, b: int, shape: DraftShape) -> bool: ...
@@ -133,6 +134,9 @@ def _controller(opts: SpeculationOptions, path, compute_path: str, field: str,
                                   step_window=a.step_window, explore_samples=a.explore_samples,
                                   explore_budget=a.explore_budget, explore_refresh=a.explore_refresh,
                                   prune_trees=a.prune_trees and opts.draft_search == "distinct_first")
+    if a.prune_trees and opts.draft_search != "distinct_first":
+        log.warning("speculation.auto.prune_trees is ignored with draft_search %r: only distinct-first drafts carry "
+                    "per-token probabilities", opts.draft_search)
     why = untrusted_step_times(path, compute_path, conditions)
     if why is not None:
         log.warning("%s %s %s: its step times are not trusted here (this engine: compute path %s, code %s); %s, and live "

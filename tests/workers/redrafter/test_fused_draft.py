@@ -79,6 +79,22 @@ def test_fused_draft_gives_the_python_searchs_draft_probabilities(kernels):
     torch.testing.assert_close(p.sum(dim=1), torch.ones(2, 1), rtol=0, atol=1e-5)
 
 
+def test_a_nan_logit_gives_nan_probabilities_from_c_as_from_python():
+    """A NaN in the logits (here: in a later position's embedding row) makes that position's
+    probability NaN on both paths, so pruning cuts the beam there rather than keeping it."""
+    d, embed = _drafter("shared", "float32", seed=6)
+    ctx, roots = torch.randn(2, HIDDEN), torch.tensor([3, 4])
+    first = draft_distinct_first_fused(d, embed, ctx, roots, 2, 3)
+    embed = embed.clone()
+    embed[first[0, 0, 1]] = float("nan")  # the state after beam 0's first token: NaN from depth 2 on
+    want_beams, want = draft_distinct_first_batch(d, lambda ids: embed[ids], ctx, roots, 2, 3, with_probs=True)
+    got_beams, got = draft_distinct_first_fused(d, embed, ctx, roots, 2, 3, with_probs=True)
+    assert torch.equal(torch.isnan(got), torch.isnan(want)) and torch.isnan(got[0, 0, 1:]).all()
+    finite = ~torch.isnan(want)
+    torch.testing.assert_close(got[finite], want[finite], rtol=1e-4, atol=1e-6)
+    assert torch.equal(got_beams[:, :, :2], want_beams[:, :, :2])
+
+
 def test_with_one_beam_or_one_draft_token_it_is_redrafters_beam_search():
     d, embed = _drafter("shared", "int8", seed=3)
     gen = torch.Generator().manual_seed(2)
