@@ -17,6 +17,7 @@ with ``--write``).
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 
 import typer
@@ -77,6 +78,9 @@ def calibrate(
     context_len: int = typer.Option(256, min=1, help="Cached tokens per request while timing steps (the "
                                     "prompts' text, joined: draft trees then take the shapes real text gives them)."),
     repeats: int = typer.Option(6, min=1, help="Timed iterations per measurement (median)."),
+    rounds: int = typer.Option(3, min=1, help="Times the whole step-cost sweep runs, one after another; each "
+                               "figure is the median of its rounds, so a slow spell of the machine shorter than a "
+                               "round (minutes on a shared VM) does not decide it. The spread is logged."),
     out: Path | None = typer.Option(None, help="Where to write every measured figure (JSON); default with "
                                     "speculation.policy 'auto': the config's speculation.by_compute_path entry of the "
                                     "path measured (if the config has that section; a new one: CONFIG_STEM.calibration."
@@ -134,15 +138,26 @@ def calibrate(
         for shape in shape_list:
             tps[shape] = measure_tokens_per_step(engine, prompt_ids, shape, max_tokens=max_tokens)
             progress.advance(task)
-        task = progress.add_task("step costs", total=len(batches) * (1 + len(shape_list)))
-        for b in batches:
-            plain_s[b] = measure_step_s(engine, b, None, context_len=context_len, repeats=repeats,
-                                        prompts=prompt_ids)
-            progress.advance(task)
-            for shape in shape_list:
-                spec_s[b, shape] = measure_step_s(engine, b, shape, context_len=context_len, repeats=repeats,
-                                                  prompts=prompt_ids)
-                progress.advance(task)
+        task = progress.add_task("step costs", total=rounds * len(batches) * (1 + len(shape_list)))
+        samples: dict[tuple, list[float]] = {}  # (b, shape or None) -> one median per round
+        for _ in range(rounds):
+            for b in batches:
+                for shape in [None, *shape_list]:
+                    samples.setdefault((b, shape), []).append(measure_step_s(
+                        engine, b, shape, context_len=context_len, repeats=repeats, prompts=prompt_ids))
+                    progress.advance(task)
+    for (b, shape), values in samples.items():
+        if shape is None:
+            plain_s[b] = statistics.median(values)
+        else:
+            spec_s[b, shape] = statistics.median(values)
+    spread = {(b, shape): max(v) / min(v) for (b, shape), v in samples.items()}
+    worst = max(spread, key=spread.get)
+    if rounds > 1:
+        console.print(f"step costs: median of {rounds} rounds; the widest spread between rounds is "
+                      f"{(spread[worst] - 1) * 100:.0f}% (batch {worst[0]}, {worst[1] or 'plain'})"
+                      + ("; the machine's speed moved during calibration: consider more --rounds on a quieter "
+                         "machine" if spread[worst] > 1.2 else ""))
     table = derive_schedule(plain_s, spec_s, tps)
     _print(batches, shape_list, plain_s, spec_s, tps, table)
     rows = "off" if table == "off" else [r.model_dump() for r in table]
@@ -152,7 +167,8 @@ def calibrate(
         "compute_path": engine.compute_path, "code_version": code_version(), **engine.step_conditions,
         "draft_search": engine.speculation.draft_search,
         "prompt_lookup_num_tokens": engine.lookup.num_tokens if engine.lookup else 0,
-        "batch_sizes": batches, "context_len": context_len, "repeats": repeats,
+        "batch_sizes": batches, "context_len": context_len, "repeats": repeats, "rounds": rounds,
+        "round_spread": {f"{b}:{s or 'plain'}": round(v, 4) for (b, s), v in spread.items()},
         "tokens_per_step": {str(s): v for s, v in tps.items()},
         "plain_step_s": plain_s,
         "spec_step_s": {f"{b}:{s}": v for (b, s), v in spec_s.items()},

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from typer.testing import CliRunner
 
 from cluster.cli.main import app
@@ -184,3 +186,35 @@ def test_a_calibration_measured_elsewhere_or_with_another_draft_search_is_report
     text = " ".join(r.getMessage() for r in caplog.records)
     assert "measured on compute path gguf-avx2-int8" in text and "speculation.draft_search beam" in text
     assert len(caplog.records) == 3
+
+
+def test_each_step_cost_is_the_median_of_its_rounds(tiny_config_path, tmp_path, monkeypatch):
+    """``--rounds 3``: the step-cost sweep runs three times and each figure is the median of its three
+    measurements, so one round taken in a slow spell (here the second, 4x slower) decides nothing;
+    the file records the rounds and each figure's spread between them."""
+    from workers.speculation import calibration
+
+    config = tiny_config_path.parent / "calibrate_rounds.yaml"
+    config.write_text(tiny_config_path.read_text())
+    out = tmp_path / "cal.json"
+    calls = []
+
+    def fake_measure(engine, b, shape, **kw):  # round r of (b, shape): base * [1.0, 4.0, 1.1][r]
+        calls.append((b, shape))
+        r = calls.count((b, shape)) - 1
+        base = 0.004 * b * (1 if shape is None else shape[0] * shape[1] + 1)
+        return base * (1.0, 4.0, 1.1)[r]
+
+    monkeypatch.setattr(calibration, "measure_step_s", fake_measure)
+    result = CliRunner().invoke(app, [
+        "calibrate", "-c", str(config), "--batch-sizes", "1,3", "--shapes", "1x2", "--repeats", "1", "--rounds", "3",
+        "--max-tokens", "4", "--prompts-per-category", "1", "--context-len", "8", "--out", str(out), "--no-write",
+    ])
+    assert result.exit_code == 0, result.output
+    figures = json.loads(out.read_text())
+    assert len(calls) == 3 * 2 * 2  # rounds x batch sizes x (plain, 1x2)
+    assert figures["rounds"] == 3
+    assert figures["plain_step_s"] == {"1": pytest.approx(0.0044), "3": pytest.approx(0.0132)}
+    assert figures["spec_step_s"] == {"1:1x2": pytest.approx(0.0132), "3:1x2": pytest.approx(0.0396)}
+    assert figures["round_spread"]["1:plain"] == pytest.approx(4.0)
+    assert "widest spread between rounds is 300%" in result.output and "moved during calibration" in result.output
