@@ -7,8 +7,9 @@ Three engines in one process: plain decoding (``speculation.policy: off``), ``au
 (closed groups, so every engine decodes the same batches), and the order of the three engines
 alternates from group to group, so the VM's drift falls on all alike. Prefix caching is off.
 Greedy: the engines must give the same tokens, and the script stops if they do not. Tokens/s =
-completion tokens / wall time, prefill included. Also printed: tokens per decode step of each
-request, and tree rows verified per drafted request-step (``rdserve`` counts the root).
+completion tokens / wall time, prefill included. Also printed: tokens per decode step (each
+request's first token, made by its prompt's step, left out), and tree rows verified per drafted
+request-step (the root counts).
 
 Usage:
     python benchmarks/tree_pruning.py --config configs/local.yaml --prompts ../shared/datasets/broad/dev.jsonl \
@@ -40,7 +41,10 @@ MODES = ("plain", "pruned", "whole")
 
 def positive(text: str) -> int:
     """An argparse type: an integer >= 1."""
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
@@ -48,7 +52,8 @@ def positive(text: str) -> int:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", default="configs/local.yaml", help="rdserve config (policy auto)")
+    ap.add_argument("--config", default=str(Path(__file__).resolve().parent.parent / "configs/local.yaml"),
+                    help="rdserve config (policy auto); default: the repository's configs/local.yaml")
     ap.add_argument("--prompts", required=True, help="JSONL prompts with 'messages' and 'category'")
     ap.add_argument("--prompts-per-category", type=positive, default=4, help="the first N of each category")
     ap.add_argument("--max-tokens", type=positive, default=128, help="completion tokens per request (at most)")
@@ -59,10 +64,18 @@ def main() -> None:
     path = Path(args.prompts)
     if not path.is_file():
         ap.error(f"--prompts {path}: not a file")
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    rows = [r for r in rows if isinstance(r, dict) and isinstance(r.get("messages"), list)]
+    rows = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError as err:
+            ap.error(f"--prompts {path} line {n}: not JSON ({err})")
+        if isinstance(row, dict) and isinstance(row.get("messages"), list):
+            rows.append(row)
     if not rows:
-        ap.error(f"--prompts {path}: no row has a 'messages' list")
+        ap.error(f"--prompts {path}: no row has a 'messages' list (chat rows only; 'prompt' rows are skipped)")
     prompts = [p for ps in first_per_category(rows, args.prompts_per_category).values() for p in ps]
     try:
         cfg = load_config(args.config)
@@ -95,6 +108,10 @@ def main() -> None:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     groups = [prompts[i:i + args.batch_size] for i in range(0, len(prompts), args.batch_size)]
     groups[-1] += prompts[: args.batch_size - len(groups[-1])]  # the last group filled with the first prompts
+    if len(groups[-1]) < args.batch_size:
+        ap.error(f"--batch-size {args.batch_size}: only {len(prompts)} prompts selected; lower it or raise "
+                 "--prompts-per-category")
+    requests = len(groups) * args.batch_size * args.rounds
 
     def run(name: str, group: list[dict], tag: str) -> dict[str, list[int]]:
         eng = engines[name]
@@ -127,7 +144,8 @@ def main() -> None:
             if len({json.dumps(o, sort_keys=True) for o in outputs.values()}) != 1:
                 raise SystemExit(f"group {g}: greedy outputs differ between engines")
     rate = {m: tokens[m] / seconds[m] for m in MODES}
-    per_step = {m: tokens[m] / max(steps[m], 1) for m in MODES}
+    # tokens per decode step: each request's first token comes from its prompt's step, not a decode step
+    per_step = {m: (tokens[m] - requests) / max(steps[m], 1) for m in MODES}
     rows_per = {m: rows_verified[m] / drafted[m] if drafted[m] else None for m in ("pruned", "whole")}
     fmt = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
     table = "\n".join([

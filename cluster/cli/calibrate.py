@@ -79,8 +79,9 @@ def calibrate(
                                     "prompts' text, joined: draft trees then take the shapes real text gives them)."),
     repeats: int = typer.Option(6, min=1, help="Timed iterations per measurement (median)."),
     rounds: int = typer.Option(3, min=1, help="Times the whole step-cost sweep runs, one after another; each "
-                               "figure is the median of its rounds, so a slow spell of the machine shorter than a "
-                               "round (minutes on a shared VM) does not decide it. The spread is logged."),
+                               "figure is the median of its rounds, so (with 3 or more) a slow spell of the machine "
+                               "shorter than a round does not decide it; 2 averages the two. Each figure's max/min "
+                               "ratio across rounds is recorded (round_spread) and the widest printed."),
     out: Path | None = typer.Option(None, help="Where to write every measured figure (JSON); default with "
                                     "speculation.policy 'auto': the config's speculation.by_compute_path entry of the "
                                     "path measured (if the config has that section; a new one: CONFIG_STEM.calibration."
@@ -168,7 +169,8 @@ def calibrate(
         "draft_search": engine.speculation.draft_search,
         "prompt_lookup_num_tokens": engine.lookup.num_tokens if engine.lookup else 0,
         "batch_sizes": batches, "context_len": context_len, "repeats": repeats, "rounds": rounds,
-        "round_spread": {f"{b}:{s or 'plain'}": round(v, 4) for (b, s), v in spread.items()},
+        # each figure's max / min across rounds (None with one round: nothing to compare)
+        "round_spread": {f"{b}:{s or 'plain'}": round(v, 4) for (b, s), v in spread.items()} if rounds > 1 else None,
         "tokens_per_step": {str(s): v for s, v in tps.items()},
         "plain_step_s": plain_s,
         "spec_step_s": {f"{b}:{s}": v for (b, s), v in spec_s.items()},

@@ -218,3 +218,10 @@ def test_each_step_cost_is_the_median_of_its_rounds(tiny_config_path, tmp_path, 
     assert figures["spec_step_s"] == {"1:1x2": pytest.approx(0.0132), "3:1x2": pytest.approx(0.0396)}
     assert figures["round_spread"]["1:plain"] == pytest.approx(4.0)
     assert "widest spread between rounds is 300%" in result.output and "moved during calibration" in result.output
+    calls.clear()
+    once = CliRunner().invoke(app, [  # one round: nothing to compare, so no spread is recorded
+        "calibrate", "-c", str(config), "--batch-sizes", "1", "--shapes", "1x2", "--repeats", "1", "--rounds", "1",
+        "--max-tokens", "4", "--prompts-per-category", "1", "--context-len", "8", "--out", str(out), "--no-write",
+    ])
+    assert once.exit_code == 0, once.output
+    assert json.loads(out.read_text())["round_spread"] is None and "spread" not in once.output
