@@ -85,6 +85,21 @@ class SelectedPolicy:
 
 def select_policy(opts: SpeculationOptions, compute_path: str, max_batch_size: int,
                   conditions: dict | None = None) -> SelectedPolicy:
+    """:func:`_select`, and a log line naming whether ``speculation.auto.prune_trees`` is in effect
+    (it is read only by the live goodput model; a table verifies whole trees)."""
+    selected = _select(opts, compute_path, max_batch_size, conditions)
+    if opts.auto.prune_trees:
+        if isinstance(selected.policy, SpecController):
+            if selected.policy.settings.prune_trees:
+                log.info("speculation: draft trees cut by the drafter's confidence (speculation.auto.prune_trees)")
+        else:
+            log.warning("speculation.auto.prune_trees is not read: the policy in effect is a table (%s), whose trees "
+                        "are verified whole", selected.source)
+    return selected
+
+
+def _select(opts: SpeculationOptions, compute_path: str, max_batch_size: int,
+            conditions: dict | None = None) -> SelectedPolicy:
     """The policy for an engine on ``compute_path``; ``conditions``: what else its step times depend on
     (:func:`step_time_conditions`), compared with what a calibration file records.
 

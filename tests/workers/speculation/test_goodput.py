@@ -266,3 +266,33 @@ def test_pruning_threshold_is_what_a_row_costs_in_tokens_at_the_iterations_rate(
     assert on.min_draft_prob(1, (1, 1)) == pytest.approx(1.7 * 0.002 / 0.007, rel=0.02)
     off = SpecController(seed, ControllerSettings())
     assert off.min_draft_prob(1, (1, 1)) == 0.0
+
+
+def test_the_log_says_whether_pruned_trees_are_in_effect(tmp_path, caplog):
+    """``prune_trees`` is read only by the live goodput model: a fixed policy logs that it is not read,
+    ``auto`` with a calibration that it is on, ``auto`` with ``draft_search: beam`` that it is ignored."""
+    import logging
+
+    from workers.speculation.options import SpeculationOptions
+    from workers.speculation.policy import select_policy
+
+    cal = tmp_path / "cal.json"
+    cal.write_text(json.dumps({"plain_step_s": {"1": 0.005}, "spec_step_s": {"1:1x1": 0.007},
+                               "tokens_per_step": {"1x1": 1.7}}))
+    cases = [
+        ({"policy": "fixed"}, "is not read: the policy in effect is a table"),
+        ({"policy": "auto", "calibration": str(cal)}, "cut by the drafter's confidence"),
+        ({"policy": "auto", "calibration": str(cal), "draft_search": "beam"}, "is ignored with draft_search 'beam'"),
+    ]
+    for fields, said in cases:
+        caplog.clear()
+        opts = SpeculationOptions(**fields, auto={"prune_trees": True})
+        with caplog.at_level(logging.INFO, logger="workers.speculation.policy"):
+            selected = select_policy(opts, "gguf-avx2-int8", 16)
+        assert said in caplog.text, (fields, caplog.text)
+        if fields["policy"] == "auto":
+            assert selected.policy.settings.prune_trees == (fields.get("draft_search") != "beam")
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="workers.speculation.policy"):
+        select_policy(SpeculationOptions(policy="auto", calibration=str(cal)), "gguf-avx2-int8", 16)
+    assert "prune_trees" not in caplog.text  # off (the default): nothing to say
