@@ -262,9 +262,12 @@ class ModelRunner:
             if embed is not None:
                 beams = draft_distinct_first_fused(self.drafter, embed, context, roots, num_beams, draft_len,
                                                    with_probs=prune)
-        if beams is None:
-            search = draft_distinct_first_batch if distinct else draft_beams_batch
-            beams = search(self.drafter, self.executor.embed, context, roots, num_beams, draft_len, *([True] * prune))
+        if beams is None and prune:  # the Python twin of the C draft, with probabilities
+            beams = draft_distinct_first_batch(self.drafter, self.executor.embed, context, roots, num_beams,
+                                               draft_len, with_probs=True)
+        elif beams is None:
+            search = draft_distinct_first_batch if self.draft_search == "distinct_first" else draft_beams_batch
+            beams = search(self.drafter, self.executor.embed, context, roots, num_beams, draft_len)
         if prune:
             beams, probs = beams[0].cpu(), beams[1].cpu().tolist()
         else:
