@@ -262,12 +262,13 @@ class Engine:
             limits[seq.request_id] = remaining - 1 if draft and plan.spec_shape else 0
         full_depth = self.runner.max_draft_depth(plan.spec_shape) if plan.spec_shape else 0
         min_prob = self.spec_policy.min_draft_prob(len(plan.generation), plan.spec_shape) if plan.spec_shape else 0.0
+        prune = {"min_draft_prob": min_prob} if min_prob > 0 else {}  # the run call is unchanged while pruning is off
         if self.thread_policy is None:
-            results = self.runner.run(plan.context, plan.generation, plan.spec_shape, limits, min_prob)
+            results = self.runner.run(plan.context, plan.generation, plan.spec_shape, limits, **prune)
         else:
             rows, threads = plan.num_tokens, self.thread_policy.choose(plan.num_tokens, t0)
             torch.set_num_threads(threads)
-            results = self.runner.run(plan.context, plan.generation, plan.spec_shape, limits, min_prob)
+            results = self.runner.run(plan.context, plan.generation, plan.spec_shape, limits, **prune)
             self.thread_policy.observe(rows, threads, time.perf_counter() - t0)
         for seq, start, _ in plan.context:  # prompt blocks now computed join the prefix cache
             if seq.block_hashes:

@@ -70,8 +70,8 @@ def test_hard_traffic_turns_speculation_off_by_itself(tiny_model_dirs, trained_d
     plain = decode_all(engine, ids, "plain", max_tokens=60)
     real_run = engine.runner.run
 
-    def rejecting(context, generation, shape, limits):  # drafts that never survive verification
-        results = real_run(context, generation, shape, limits)
+    def rejecting(context, generation, shape, limits, *rest):  # drafts that never survive verification
+        results = real_run(context, generation, shape, limits, *rest)
         for r in results:
             if r.generation_step:
                 r.accepted_draft_tokens = 0
