@@ -129,21 +129,29 @@ def test_client_disconnect_logs_one_info_line_and_no_stray_exception(base_url):
     appears anywhere in the session's logs."""
     import ray
 
-    with httpx.Client(base_url=base_url, timeout=60) as http:
-        with http.stream("POST", "/v1/completions", json={**TEXT, "max_tokens": 200, "stream": True}) as resp:
-            first = next(line for line in resp.iter_lines() if line.startswith("data: "))
-    response_id = json.loads(first[6:])["id"]
     logs = Path(ray._private.worker._global_node.get_logs_dir_path())
 
     def lines(pattern: str) -> list[str]:
         return [line for path in logs.rglob(pattern) if path.is_file()
                 for line in path.read_text(errors="replace").splitlines()]
 
-    wanted = f"request {response_id} cancelled by the client"
-    deadline = time.monotonic() + 30
-    while not [line for line in lines("serve/replica_*.log") if wanted in line]:
-        assert time.monotonic() < deadline, f"no log line for {response_id}"
-        time.sleep(0.5)
+    # The tiny model streams its 200 tokens in well under a second; on a machine loaded by the rest of
+    # the suite the whole stream can be written before the server sees the client leave (then nothing
+    # was cancelled), so a request that was not cancelled is retried, a few times at most.
+    for attempt in range(3):
+        with httpx.Client(base_url=base_url, timeout=60) as http:
+            with http.stream("POST", "/v1/completions", json={**TEXT, "max_tokens": 200, "stream": True}) as resp:
+                first = next(line for line in resp.iter_lines() if line.startswith("data: "))
+        response_id = json.loads(first[6:])["id"]
+        wanted = f"request {response_id} cancelled by the client"
+        deadline = time.monotonic() + 20
+        while not (found := [line for line in lines("serve/replica_*.log") if wanted in line]):
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        if found:
+            break
+    assert found, f"no cancellation logged for {response_id} in 3 attempts"
     time.sleep(1.0)  # anything the disconnect would log after it
     ours = [line for line in lines("serve/replica_*.log") if response_id in line]
     assert len(ours) == 1 and "INFO" in ours[0], ours
