@@ -22,13 +22,12 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from collections import Counter
-from pathlib import Path
 
 from tqdm import tqdm
 
+from bench_prompts import chat_rows_or_exit, positive
 from bench_report import write_report
 from bench_spec import fixed_speculation
 
@@ -44,13 +43,6 @@ from workers.training.prompt_sources import first_per_category
 MODES = ("plain", "auto", "fixed")
 
 
-def positive(text: str) -> int:
-    """An argparse type: an integer >= 1."""
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -62,23 +54,7 @@ def main() -> None:
     ap.add_argument("--draft-len-per-beam", type=positive, default=1, help="the fixed shape's draft tokens per beam")
     ap.add_argument("--out", default="benchmarks/results/auto_vs_fixed", help="output path without suffix")
     args = ap.parse_args()
-    path = Path(args.prompts)
-    if not path.is_file():
-        ap.error(f"--prompts {path}: not a file")
-    rows = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except ValueError as err:
-            ap.error(f"--prompts {path} line {n}: not JSON ({err})")
-        if not isinstance(row, dict):
-            ap.error(f"--prompts {path} line {n}: not a JSON object")
-        if isinstance(row.get("messages"), list):
-            rows.append(row)
-    if not rows:
-        ap.error(f"--prompts {path}: no row has a 'messages' list")
+    rows = chat_rows_or_exit(ap, args.prompts)
     prompts = [p for ps in first_per_category(rows, args.prompts_per_category).values() for p in ps]
 
     try:

@@ -24,6 +24,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from bench_prompts import chat_rows_or_exit, positive
 from bench_report import write_report
 from bench_spec import fixed_speculation
 from pydantic import ValidationError
@@ -39,16 +40,6 @@ from workers.training.prompt_sources import first_per_category
 MODES = ("plain", "pruned", "whole")
 
 
-def positive(text: str) -> int:
-    """An argparse type: an integer >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -61,21 +52,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=positive, default=1, help="times every group runs on each engine")
     ap.add_argument("--out", default="benchmarks/results/tree_pruning", help="output path without suffix")
     args = ap.parse_args()
-    path = Path(args.prompts)
-    if not path.is_file():
-        ap.error(f"--prompts {path}: not a file")
-    rows = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except ValueError as err:
-            ap.error(f"--prompts {path} line {n}: not JSON ({err})")
-        if isinstance(row, dict) and isinstance(row.get("messages"), list):
-            rows.append(row)
-    if not rows:
-        ap.error(f"--prompts {path}: no row has a 'messages' list (chat rows only; 'prompt' rows are skipped)")
+    rows = chat_rows_or_exit(ap, args.prompts)
     prompts = [p for ps in first_per_category(rows, args.prompts_per_category).values() for p in ps]
     try:
         cfg = load_config(args.config)

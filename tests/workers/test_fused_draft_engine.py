@@ -33,6 +33,17 @@ def restricted(tiny_model_dirs, trained_drafter_dirs, tmp_path_factory):
     return model_dir, drafter_dir
 
 
+def decode_together(engine, prompts: dict[str, list[int]], params) -> dict[str, list[int]]:
+    """Every prompt added as a ``spec`` request at once, stepped until all finish: request id -> tokens."""
+    got = {rid: [] for rid in prompts}
+    for rid, p in prompts.items():
+        engine.add_request(rid, p, params, "spec")
+    while engine.num_unfinished:
+        for d in engine.step():
+            got[d.request_id] += d.token_ids
+    return got
+
+
 @pytest.mark.parametrize("search, beams, depth, fused", [
     ("beam", 1, 3, True), ("beam", 3, 1, True), ("beam", 2, 2, False), ("distinct_first", 2, 3, True),
 ])
@@ -93,13 +104,7 @@ def test_batched_requests_draft_together_in_c(restricted, monkeypatch):
     params = SamplingParams(max_tokens=20)
     want = {rid: [t for d in engine.generate(p, params, "plain") for t in d.token_ids] for rid, p in prompts.items()}
     monkeypatch.setattr(model_runner, "draft_distinct_first_fused", spy_fused)
-    got = {rid: [] for rid in prompts}
-    for rid, p in prompts.items():
-        engine.add_request(rid, p, params, "spec")
-    while engine.num_unfinished:
-        for d in engine.step():
-            got[d.request_id] += d.token_ids
-    assert got == want
+    assert decode_together(engine, prompts, params) == want
     assert max(batch_sizes) == len(prompts)
 
 
@@ -130,13 +135,7 @@ def test_trees_cut_by_the_drafters_confidence_verify_fewer_rows_and_keep_the_out
     real_observe = engine.spec_policy.observe
     monkeypatch.setattr(engine.spec_policy, "observe", lambda state, shape, drafted, accepted, rows=None: (
         reported.append((drafted, rows)), real_observe(state, shape, drafted, accepted, rows)))
-    got = {rid: [] for rid in prompts}
-    for rid, p in prompts.items():
-        engine.add_request(rid, p, params, "spec")
-    while engine.num_unfinished:
-        for d in engine.step():
-            got[d.request_id] += d.token_ids
-    assert got == want
+    assert decode_together(engine, prompts, params) == want
     assert kept and max(w for w, _ in kept) == 6  # the whole 2x3 shape (fewer near max_tokens)
     assert sum(k for _, k in kept) < sum(w for w, _ in kept)
     assert any(k == 0 for _, k in kept) and any(k > 0 for _, k in kept)
