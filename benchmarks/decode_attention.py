@@ -3,7 +3,8 @@ r"""The decode-attention kernel alone (``workers/kernels/decode_attention.c``), 
 A decoding step's attention reads every visible key and value of every request once per layer;
 with the default model (9 query heads sharing 3 key/value heads of 64 float32 dims, 30 layers) that
 is 1.5 KB per layer and context token in float32 (46 MB per step at 1,024 tokens of context), half
-that with ``engine.kv_cache_dtype: float16``. This times the kernel for the 30 layers of one step
+that with ``engine.kv_cache_dtype: float16``, a bit over a quarter with ``int8``. This times the kernel
+for the 30 layers of one step
 (30 calls, each on its own layer's cache, so the caches do not stay in the CPU's caches as one
 layer's would), on the model's head shape and a paged cache whose blocks lie in order, for each KV
 cache dtype, and prints ms per step, the key/value bytes read per second and the query-row x key
@@ -40,9 +41,10 @@ from bench_report import write_report
 from workers.forward_batch import AttentionGroup
 from workers.kernels import build
 from workers.kernels.decode_attention import attend, plan
+from workers.kv_cache import quantize_rows
 
 HEADS, KV_HEADS, HEAD_DIM, LAYERS = 9, 3, 64, 30
-DTYPES = {"float32": torch.float32, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "int8": torch.int8}
 
 
 def _cases(text: str) -> list[tuple[int, int, int]]:
@@ -78,8 +80,8 @@ def case_inputs(B: int, T: int, L: int, seed: int = 0, kv_dtype: torch.dtype = t
     reads slots ``b*L .. b*L + L - 1`` (its blocks in order); row t sees keys ``0 .. L - T + t``."""
     g = torch.Generator().manual_seed(seed)
     rows = B * L + 1
-    kc = torch.randn(rows, KV_HEADS, HEAD_DIM, generator=g).to(kv_dtype)
-    vc = torch.randn(rows, KV_HEADS, HEAD_DIM, generator=g).to(kv_dtype)
+    kc, vc = (torch.randn(rows, KV_HEADS, HEAD_DIM, generator=g) for _ in range(2))
+    kc, vc = (quantize_rows(x) if kv_dtype == torch.int8 else x.to(kv_dtype) for x in (kc, vc))
     q = torch.randn(B * T, HEADS, HEAD_DIM, generator=g)
     slots = torch.arange(B * L).view(B, L)
     mask = torch.ones(T, L, dtype=torch.bool)
@@ -88,7 +90,7 @@ def case_inputs(B: int, T: int, L: int, seed: int = 0, kv_dtype: torch.dtype = t
     return q, kc, vc, AttentionGroup(0, B, T, slots, mask, decode=True)
 
 
-def baseline_kernel(rev: str, isa: str):
+def baseline_kernel(rev: str, isa: str, int8: bool = False):
     """``rd_decode_attention`` of a kernel library built as :mod:`workers.kernels.build` builds it (all
     sources, the same flags), with ``decode_attention.c`` and ``simd.h`` as they were at git
     revision ``rev``: a whole library, so that both sides of the A/B are laid out alike.
@@ -105,9 +107,13 @@ def baseline_kernel(rev: str, isa: str):
         if got.returncode:
             raise SystemExit(f"--baseline {rev}: cannot read workers/kernels/{name}: {got.stderr.strip()}")
         (tmp / name).write_text(got.stdout)
-    if "kv_half" not in (tmp / "decode_attention.c").read_text():
+    text = (tmp / "decode_attention.c").read_text()
+    if "kv_half" not in text and "kv_kind" not in text:
         raise SystemExit(f"--baseline {rev}: that kernel predates float16 caches (no kv_half argument); "
                          "give a revision at or after 70a9db7")
+    if int8 and "KV_I8" not in text:
+        raise SystemExit(f"--baseline {rev}: that kernel reads no int8 caches; time --kv-dtypes without int8 "
+                         "against it")
     lib = tmp / "baseline.so"
     cmd = [*build._compiler(), *build.FLAGS, *build.ISA_FLAGS[isa], *(str(tmp / p.name) for p in build.SOURCES),
            "-o", str(lib)]
@@ -125,7 +131,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--cases", type=_cases, default=_cases("1x1x1024,1x7x1024,1x17x1024,16x1x256,1x64x512"),
                     help="comma-separated BxTxL: requests x new rows each x context tokens (default: %(default)s)")
     ap.add_argument("--kv-dtypes", type=_dtypes, default=_dtypes("float32,float16"),
-                    help="comma-separated KV cache dtypes, each timed per case (default: float32,float16)")
+                    help="comma-separated KV cache dtypes (float32, float16, int8), each timed per case "
+                    "(default: float32,float16)")
     ap.add_argument("--rounds", type=_positive, default=9, help="timed rounds per case; the median is reported")
     ap.add_argument("--threads", type=_positive, default=None, help="OpenMP threads (default: torch's)")
     ap.add_argument("--baseline", metavar="REV", default=None,
@@ -137,7 +144,7 @@ def main(argv: list[str] | None = None) -> None:
     isa = build.load()
     kernels = {"": None}
     if args.baseline:
-        kernels = {"": None, args.baseline: baseline_kernel(args.baseline, isa)}
+        kernels = {"": None, args.baseline: baseline_kernel(args.baseline, isa, "int8" in args.kv_dtypes)}
     rows_out = []
     for B, T, L in args.cases:
         layers = {name: [case_inputs(B, T, L, seed=i, kv_dtype=DTYPES[name]) for i in range(LAYERS)]
@@ -159,7 +166,8 @@ def main(argv: list[str] | None = None) -> None:
         visible = int(plans[args.kv_dtypes[0]][0].mask.sum())  # (row, key) pairs per request x batch
         for name, rev in runs:
             sec = statistics.median(times[name, rev])
-            kv_bytes = LAYERS * B * L * KV_HEADS * HEAD_DIM * DTYPES[name].itemsize * 2
+            row_bytes = HEAD_DIM + 4 if name == "int8" else HEAD_DIM * DTYPES[name].itemsize  # int8: + scale
+            kv_bytes = LAYERS * B * L * KV_HEADS * row_bytes * 2
             products = LAYERS * HEADS * visible * HEAD_DIM * 2
             row = {"batch": B, "rows": T, "context": L, "kv_dtype": name, "kernel": rev or "this",
                    "ms_per_step_30_layers": sec * 1e3, "kv_gb_per_s": kv_bytes / sec / 1e9,

@@ -227,7 +227,8 @@ def kv_bytes_per_token(config: LlamaConfig, dtype: torch.dtype, tp_size: int = 1
     if kv_heads % tp_size and tp_size % kv_heads:
         raise ValueError(f"tp_size {tp_size} and num_key_value_heads {kv_heads}: neither divides the other")
     heads = max(1, kv_heads // tp_size)
-    return 2 * config.num_hidden_layers * heads * config.head_size * dtype.itemsize
+    row = config.head_size + 4 if dtype == torch.int8 else config.head_size * dtype.itemsize  # int8: + its scale
+    return 2 * config.num_hidden_layers * heads * row
 
 
 def blocks_for_memory(bytes_per_token: int, budget_bytes: int, block_size: int) -> int:

@@ -30,6 +30,7 @@ from workers.speculation.policy import SelectedPolicy, SpecPolicy, select_policy
 from workers.thread_policy import ThreadPolicy
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+KV_DTYPES = DTYPES | {"int8": torch.int8}  # engine.kv_cache_dtype (int8: workers.kv_cache.quantize_rows)
 log = logging.getLogger(__name__)
 
 
@@ -107,7 +108,7 @@ def load_engine(model_path: str, drafter_path: str | None = None, options: Engin
     lookup = None if spec.prompt_lookup_num_tokens == 0 else PromptLookup(
         spec.prompt_lookup_min, spec.prompt_lookup_max, spec.prompt_lookup_num_tokens, spec.prompt_lookup_max_num_tokens)
     max_seq_len = min(opts.max_seq_len, model.config.max_position_embeddings)
-    kv_dtype = dtype if opts.kv_cache_dtype == "auto" else DTYPES[opts.kv_cache_dtype]
+    kv_dtype = dtype if opts.kv_cache_dtype == "auto" else KV_DTYPES[opts.kv_cache_dtype]
     conditions = step_time_conditions(str(kv_dtype).removeprefix("torch."),
                                       torch.get_num_threads() if device.type == "cpu" else None)
     selected = SelectedPolicy(spec_policy, "given") if spec_policy is not None \

@@ -54,11 +54,15 @@ class EngineOptions(BaseModel):
                                         "prefix prefills only the rest (workers.block_manager); a request's "
                                         "cache_salt limits sharing to requests with the same salt")
     num_kv_blocks: int | None = Field(None, ge=1, description="KV cache blocks; null = sized by kv_cache_fraction")
-    kv_cache_dtype: Literal["auto", "float32", "float16"] = Field(
+    kv_cache_dtype: Literal["auto", "float32", "float16", "int8"] = Field(
         "auto", description="what the KV cache stores (vLLM's and TensorRT-LLM's kv_cache_dtype): 'auto' the model's "
         "dtype; 'float16' under a float32 model halves the bytes a decoding step reads from the cache (decode "
         "attention reads every request's keys and values once per layer) and doubles the tokens it holds; keys "
-        "and values round to the nearest float16 when written, plain and speculative decoding alike")
+        "and values round to the nearest float16 when written, plain and speculative decoding alike. 'int8' "
+        "stores each token's key/value head as int8 values and one float32 scale (absmax per row, as llama.cpp's "
+        "q8_0 KV cache): about half float16's bytes, so long contexts and large batches decode faster and twice "
+        "the tokens fit; values are rounded to 1/254 of their row's largest magnitude, so outputs may differ "
+        "slightly from a float cache's (plain and speculative decoding still agree with each other)")
     kv_cache_fraction: float = Field(0.2, gt=0, le=1, description="share of the memory free after loading the "
                                      "weights that the KV cache takes (capped at what max_batch_size full-length "
                                      "sequences need)")

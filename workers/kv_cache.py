@@ -17,6 +17,34 @@ import torch
 
 from workers.forward_batch import AttentionGroup
 
+INT8_SCALE_BYTES = 4
+"""An int8 cache row's float32 scale, stored after its ``head_dim`` bytes."""
+
+
+def quantize_rows(x: torch.Tensor) -> torch.Tensor:
+    """Rows of float32 values -> int8 cache rows: ``[..., D] float32 -> [..., D + 4] int8``.
+
+    Per row (one token's key or value head): ``s = max |x| / 127``, ``y = round(x * (1 / s))``
+    (ties to even, within [-127, 127]), then the 4 bytes of ``s``; an all-zero row stores ``y = 0,
+    s = 0``. The value a row stands for is ``s * y`` (:func:`dequantize_rows`), within ``s / 2`` of
+    ``x``. Absmax quantization per token and head, as llama.cpp's q8_0 KV cache does per 32 values
+    and TensorRT-LLM's INT8 KV cache per tensor. The C write (``workers/kernels/rope_kv.c``,
+    ``to_int8``) computes the same bits, so either path may fill a cache the other reads.
+    """
+    x = x.float()
+    s = x.abs().amax(-1, keepdim=True) / 127.0
+    zero = s < torch.finfo(torch.float32).tiny
+    s = s.masked_fill(zero, 0.0)
+    inv = torch.where(zero, torch.zeros_like(s), 1.0 / torch.where(zero, torch.ones_like(s), s))
+    y = torch.round(x * inv).clamp_(-127, 127).to(torch.int8)
+    return torch.cat([y, s.contiguous().view(torch.int8)], dim=-1)
+
+
+def dequantize_rows(rows: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """int8 cache rows ``[..., D + 4]`` -> the values they stand for ``[..., D]`` in ``dtype``."""
+    y, s = rows[..., :-INT8_SCALE_BYTES], rows[..., -INT8_SCALE_BYTES:].contiguous().view(torch.float32)
+    return (y.float() * s).to(dtype)
+
 
 class KVCache:
     """Keys and values ``k[layer], v[layer]: [num_slots + 1, n_kv_heads, head_dim]`` (last: trash).
@@ -24,7 +52,9 @@ class KVCache:
     ``dtype`` is what the cache stores; ``compute_dtype`` (default: ``dtype``) what :meth:`write`
     receives and :meth:`read` returns. A float16 cache under a float32 model (vLLM's and
     TensorRT-LLM's ``kv_cache_dtype``) halves the bytes a decoding step reads from it; values round
-    to the nearest float16 when written.
+    to the nearest float16 when written. An int8 cache stores each token's key/value head as
+    ``head_dim`` bytes and a float32 scale (:func:`quantize_rows`: tensors ``[num_slots + 1,
+    n_kv_heads, head_dim + 4] int8``), a bit over a quarter of float32's bytes.
     """
 
     def __init__(
@@ -37,13 +67,13 @@ class KVCache:
         device: str | torch.device = "cpu",
         compute_dtype: torch.dtype | None = None,
     ):
-        shape = (num_slots + 1, n_kv_heads, head_dim)
+        shape = (num_slots + 1, n_kv_heads, head_dim + INT8_SCALE_BYTES * (dtype == torch.int8))
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.num_slots = num_slots
         self.device = torch.device(device)
         self.dtype = dtype
-        self.compute_dtype = compute_dtype or dtype
+        self.compute_dtype = compute_dtype or (torch.float32 if dtype == torch.int8 else dtype)
 
     @property
     def trash_slot(self) -> int:
@@ -51,6 +81,8 @@ class KVCache:
 
     def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store new keys/values. slot_mapping: ``[N] long``; k, v: ``[N, n_kv_heads, head_dim]``."""
+        if self.dtype == torch.int8:
+            k, v = quantize_rows(k), quantize_rows(v)
         self.k[layer].index_copy_(0, slot_mapping, k.to(self.dtype))
         self.v[layer].index_copy_(0, slot_mapping, v.to(self.dtype))
 
@@ -67,7 +99,9 @@ class KVCache:
         else:
             k, v = self.k[layer][group.kv_slots], self.v[layer][group.kv_slots]
         k, v = k.transpose(1, 2), v.transpose(1, 2)
-        if self.dtype != self.compute_dtype:
+        if self.dtype == torch.int8:
+            k, v = dequantize_rows(k, self.compute_dtype), dequantize_rows(v, self.compute_dtype)
+        elif self.dtype != self.compute_dtype:
             k, v = k.to(self.compute_dtype), v.to(self.compute_dtype)
         return k, v
 

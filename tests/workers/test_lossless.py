@@ -344,23 +344,29 @@ def test_amx_and_vnni_engines_decode_the_same_tokens(tiny_model_dirs, trained_dr
     assert multi >= 4, "the drafter was rarely accepted; the trees were hardly used"
 
 
-@pytest.mark.parametrize("activations", ["float32", "int8"])
-def test_greedy_spec_matches_plain_on_a_float16_kv_cache(tiny_model_dirs, trained_drafter_dirs, activations):
-    """``kv_cache_dtype: float16`` (keys and values rounded when written, widened exactly when read):
-    every row still depends only on its own query and visible keys, so spec output equals plain
-    output, with and without a prompt-lookup beam, on GGUF blocks with float32 and int8 activations;
-    the cache really stores float16 and holds twice the tokens of a float32 one in the same bytes."""
+@pytest.mark.parametrize("kv,activations", [("float16", "float32"), ("float16", "int8"), ("int8", "float32"),
+                                            ("int8", "int8")])
+def test_greedy_spec_matches_plain_on_a_float16_or_int8_kv_cache(tiny_model_dirs, trained_drafter_dirs, kv,
+                                                                  activations):
+    """``kv_cache_dtype: float16`` (keys and values rounded when written, widened exactly when read)
+    and ``int8`` (each token's key/value head quantized to int8 with one scale when written): every
+    row still depends only on its own query and visible keys, so spec output equals plain output,
+    with and without a prompt-lookup beam, on GGUF blocks with float32 and int8 activations; the
+    cache really stores that dtype and holds 2x (float16) or 4 D / (D + 4)x (int8) the tokens of a
+    float32 one in the same bytes."""
     multi = 0
     for case in range(8):
         rng = random.Random(3000 + case)
         variant = weights_variant(VARIANTS[case % 2], "gguf")
         shape = random_shape(rng)
         engine = load_engine(str(tiny_model_dirs[variant]), str(trained_drafter_dirs[variant]),
-                             decode_activations=activations, kv_cache_dtype="float16", **shape)
-        assert {t.dtype for t in engine.executor.cache.k + engine.executor.cache.v} == {torch.float16}
+                             decode_activations=activations, kv_cache_dtype=kv, **shape)
+        assert {t.dtype for t in engine.executor.cache.k + engine.executor.cache.v} == {getattr(torch, kv)}
         if case < 2:
             wide = load_engine(str(tiny_model_dirs[variant]), None, max_seq_len=256, kv_cache_dtype="float32")
-            assert engine.kv_size.bytes_per_token * 2 == wide.kv_size.bytes_per_token
+            D = engine.config.head_size
+            ratio = 2 if kv == "float16" else 4 * D / (D + 4)
+            assert engine.kv_size.bytes_per_token * ratio == wide.kv_size.bytes_per_token
         prompt = random_prompt(rng, len(engine.tokenizer))
         params = SamplingParams(max_tokens=rng.randint(8, 48))
         plain = run(engine, prompt, params, "plain")

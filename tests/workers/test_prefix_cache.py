@@ -67,11 +67,12 @@ def test_salts_and_different_prefixes_do_not_share():
 @pytest.fixture(scope="module")
 def engines(tiny_model_dirs, trained_drafter_dirs):
     @lru_cache(maxsize=None)
-    def make(variant: str, caching: bool, num_kv_blocks: int = 400, activations: str = "float32"):
+    def make(variant: str, caching: bool, num_kv_blocks: int = 400, activations: str = "float32", kv: str = "auto"):
         return load_engine(str(tiny_model_dirs[variant]), str(trained_drafter_dirs[variant.split("@")[0]]),
                            num_beams=3, draft_len_per_beam=3, max_seq_len=256, max_batch_size=6, max_num_tokens=64,
                            max_prefill_chunk=24, tokens_per_block=BS, num_kv_blocks=num_kv_blocks,
-                           enable_prefix_caching=caching, prompt_lookup_num_tokens=3, decode_activations=activations)
+                           enable_prefix_caching=caching, prompt_lookup_num_tokens=3, decode_activations=activations,
+                           kv_cache_dtype=kv)
     return make
 
 
@@ -97,14 +98,18 @@ def run_all(engine, requests: list[dict], check_blocks: bool = False) -> dict[st
     return out
 
 
-@pytest.mark.parametrize("weights, activations", [("float32", "float32"), ("gguf", "float32"), ("gguf", "int8")])
-def test_a_cache_hit_gives_the_output_of_no_cache_spec_and_plain(engines, weights, activations):
+@pytest.mark.parametrize("weights, activations, kv", [("float32", "float32", "auto"), ("gguf", "float32", "auto"),
+                                                      ("gguf", "int8", "auto"), ("gguf", "int8", "int8")])
+def test_a_cache_hit_gives_the_output_of_no_cache_spec_and_plain(engines, weights, activations, kv):
     """The same prompt again (and prompts sharing its prefix) take cached blocks, prefill less, and
     decode exactly as an engine without the cache; drafts were accepted on the cached requests. Also
     on int8 activations, where rounding-level differences flip quantized values: every prompt row is
-    computed the same way whatever its chunk (workers.kernels.decode_attention.MAX_ROWS)."""
+    computed the same way whatever its chunk (workers.kernels.decode_attention.MAX_ROWS); and on an
+    int8 KV cache (each cached row quantized on its own, so a cached block holds the bits a new
+    prefill would write)."""
     variant = weights_variant("tied_gqa2", weights)
-    cached, reference = engines(variant, True, activations=activations), engines(variant, False, activations=activations)
+    cached = engines(variant, True, activations=activations, kv=kv)
+    reference = engines(variant, False, activations=activations, kv=kv)
     rng = random.Random(1)
     vocab = len(cached.tokenizer)
     base = [rng.randrange(3, vocab) for _ in range(37)]

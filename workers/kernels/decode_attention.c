@@ -10,8 +10,11 @@
  * gathered; a masked key counts for nothing (it is read only when it shares a block of 8 keys with
  * a visible one, so every slot must lie in the cache: decode_attention.plan checks them).
  *
- * The cache holds float32 or IEEE binary16 (``kv_half``: a float16 KV cache, half the bytes a
- * step reads); halves are widened exactly before the same float32 arithmetic.
+ * The cache holds float32, IEEE binary16 (a float16 KV cache, half the bytes a step reads) or int8
+ * rows with one float32 scale per token and key/value head (a quarter plus 4 bytes a row: llama.cpp's
+ * q8_0 KV cache quantizes the same way, per 32 values); halves and bytes are widened exactly before
+ * the same float32 arithmetic. From int8 keys a score is dot(q, x) * (s * scale); a value row
+ * enters its weighted sum as (p * s) x, while the softmax normalizer sums the weights p alone.
  *
  * Several rows of a request (a draft tree, a prompt chunk) mostly see the same keys: the context
  * before them. Each row's keys are found once per call (extent_t: the leading run every key of which
@@ -55,16 +58,19 @@
  * one head (head), or a chunk's rows times G heads (head_group). */
 typedef struct {
     const float *q;
-    const char *kc, *vc; /* float32 or binary16 elements of es bytes */
+    const char *kc, *vc; /* float32, binary16 or int8 elements of es bytes, rows of row_bytes (kind) */
     const int64_t *slots;
     const uint8_t *mask;
     float *out;
-    long q_stride, out_stride, run_start, T, L, Lp, H, HKV, D, es;
+    long q_stride, out_stride, run_start, T, L, Lp, H, HKV, D, es, row_bytes;
     long call; /* this call's number (row_extents reuses a request's extents within one call only) */
     float scale;
 } args_t;
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
+/* What the cache holds (kv_kind): float32, IEEE binary16, or int8 rows (D signed bytes, then the
+ * row's float32 scale). */
+enum { KV_F32 = 0, KV_F16 = 1, KV_I8 = 2 };
 /* Tuning (-D to override): PF_KEYS keys ahead prefetched (0: none; 16 = two blocks of 8), PF_VALUES
  * values ahead, GROUP_ROWS the most rows of a request one thread takes in a grouped item. Measured on
  * the AMX Xeon only (BENCHMARKS.md 14). */
@@ -80,7 +86,7 @@ typedef struct {
 
 /* The address of element d0 of key/value head kvh of the j-th key's slot. */
 ALWAYS_INLINE const char *row_of(const args_t *a, const char *cache, const int64_t *slots, long j, long kvh, long d0) {
-    return cache + (((slots ? slots[j] : a->run_start + j) * a->HKV + kvh) * a->D + d0) * a->es;
+    return cache + ((slots ? slots[j] : a->run_start + j) * a->HKV + kvh) * a->row_bytes + d0 * a->es;
 }
 
 /* Prefetch (into L1) the keys j .. j + 7 of key/value head kvh (nothing when j + 8 > L: the tail block
@@ -91,18 +97,47 @@ ALWAYS_INLINE void prefetch_keys(const args_t *a, const int64_t *slots, long j, 
     if (!PF_KEYS || j + 8 > a->L) return;
     for (long i = 0; i < 8; i++) {
         const char *k = row_of(a, a->kc, slots, j + i, kvh, 0);
-        for (long off = 0; off < a->D * a->es; off += 64) _mm_prefetch(k + off, _MM_HINT_T0);
+        for (long off = 0; off < a->row_bytes; off += 64) _mm_prefetch(k + off, _MM_HINT_T0);
+        _mm_prefetch(k + a->row_bytes - 1, _MM_HINT_T0); /* an int8 row's scale may start a line */
     }
 }
 
 /* acc + q[d .. d + 15] * key[d .. d + 15], the key in the cache's element type. */
-ALWAYS_INLINE v16 fma_kv(const float *q, const char *key, long d, int half, v16 acc) {
-    return half ? v16_fma_h(q + d, (const uint16_t *)key + d, acc) : v16_fma(q + d, (const float *)key + d, acc);
+ALWAYS_INLINE v16 fma_kv(const float *q, const char *key, long d, int kind, v16 acc) {
+    return kind == KV_I8   ? v16_fma_i8(q + d, (const int8_t *)key + d, acc)
+           : kind == KV_F16 ? v16_fma_h(q + d, (const uint16_t *)key + d, acc)
+                            : v16_fma(q + d, (const float *)key + d, acc);
 }
 
-/* acc + p * v[16 c .. 16 c + 15], the value in the cache's element type. */
-ALWAYS_INLINE v16 axpy_kv(float p, const char *v, int c, int half, v16 acc) {
-    return half ? v16_axpy_h(p, (const uint16_t *)v + 16 * c, acc) : v16_axpy(p, (const float *)v + 16 * c, acc);
+/* acc + p * v[16 c .. 16 c + 15], the value in the cache's element type (int8: p already times the
+ * value row's scale, value_scale). */
+ALWAYS_INLINE v16 axpy_kv(float p, const char *v, int c, int kind, v16 acc) {
+    return kind == KV_I8 ? v16_axpy_v(p, v16_load_i8((const int8_t *)v + 16 * c), acc)
+           : kind == KV_F16 ? v16_axpy_h(p, (const uint16_t *)v + 16 * c, acc)
+                            : v16_axpy(p, (const float *)v + 16 * c, acc);
+}
+
+/* v[0 .. 15] widened: float32 as is, binary16 and int8 exactly (v16_axpy_v's operand). */
+ALWAYS_INLINE v16 load_kv(const char *v, int kind) {
+    return kind == KV_I8 ? v16_load_i8((const int8_t *)v) : kind == KV_F16 ? v16_load_h((const uint16_t *)v)
+                                                                          : v16_load((const float *)v);
+}
+
+/* An int8 cache row's float32 scale (after its D values; row: the row's element d0). */
+ALWAYS_INLINE float row_scale(const args_t *a, const char *row, long d0) {
+    float s;
+    memcpy(&s, row + (a->D - d0), sizeof s);
+    return s;
+}
+
+/* The factor each of eight keys' dot products is multiplied by: the softmax scale, times the key's
+ * own scale in an int8 cache (keys n .. 7 absent: 0). One rounding per score on every path. */
+ALWAYS_INLINE __m256 key_factors(const args_t *a, const char *const keys[8], long n, int kind) {
+    if (kind != KV_I8) return _mm256_set1_ps(a->scale);
+    float f[8];
+    for (int i = 0; i < 8; i++) f[i] = i < n ? row_scale(a, keys[i], 0) : 0.0f;
+    /* from registers, not a store and a reload (which stalls store forwarding) */
+    return _mm256_mul_ps(_mm256_setr_ps(f[0], f[1], f[2], f[3], f[4], f[5], f[6], f[7]), _mm256_set1_ps(a->scale));
 }
 
 /* Where one row's visible keys lie: mask[t][0 .. run - 1] are all visible (a tree's context, a
@@ -114,17 +149,17 @@ typedef struct {
 
 /* Scores of rows t of one head for keys j0 .. j0 + n - 1 (n <= 8): one 16-lane dot product per key,
  * eight keys' sums reduced together (v16_sum8, position-independent order). */
-ALWAYS_INLINE void score_block(const args_t *a, const float *q, const char *keys[8], long n, float *s, int half) {
+ALWAYS_INLINE void score_block(const args_t *a, const float *q, const char *keys[8], long n, float *s, int kind) {
     v16 acc[8];
     for (int i = 0; i < 8; i++) acc[i] = v16_zero();
     if (n == 8)
         for (long d = 0; d < a->D; d += 16)
-            for (int i = 0; i < 8; i++) acc[i] = fma_kv(q, keys[i], d, half, acc[i]);
+            for (int i = 0; i < 8; i++) acc[i] = fma_kv(q, keys[i], d, kind, acc[i]);
     else
         for (long d = 0; d < a->D; d += 16)
-            for (int i = 0; i < n; i++) acc[i] = fma_kv(q, keys[i], d, half, acc[i]);
+            for (int i = 0; i < n; i++) acc[i] = fma_kv(q, keys[i], d, kind, acc[i]);
     float sums[8];
-    _mm256_storeu_ps(sums, _mm256_mul_ps(v16_sum8(acc), _mm256_set1_ps(a->scale)));
+    _mm256_storeu_ps(sums, _mm256_mul_ps(v16_sum8(acc), key_factors(a, keys, n, kind)));
     for (long i = 0; i < n; i++) s[i] = sums[i];
 }
 
@@ -132,7 +167,7 @@ ALWAYS_INLINE void score_block(const args_t *a, const float *q, const char *keys
 /* score_block for R rows (2 or 3) over eight keys they all see: each key's 16 elements loaded (and
  * widened) once for the R rows; every score computed exactly as score_block computes it. */
 ALWAYS_INLINE void score_block_rows(const args_t *a, int R, const float *q, long q_stride, const char *keys[8],
-                                    float *s, long s_stride, int half) {
+                                    float *s, long s_stride, int kind) {
     __m512 acc[3][8];
     for (int r = 0; r < R; r++)
         for (int i = 0; i < 8; i++) acc[r][i] = _mm512_setzero_ps();
@@ -140,12 +175,13 @@ ALWAYS_INLINE void score_block_rows(const args_t *a, int R, const float *q, long
         __m512 x[3];
         for (int r = 0; r < R; r++) x[r] = _mm512_loadu_ps(q + r * q_stride + d);
         for (int i = 0; i < 8; i++) {
-            __m512 k = half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)keys[i] + d)))
-                            : _mm512_loadu_ps((const float *)keys[i] + d);
+            __m512 k = kind == KV_I8    ? v_from_i8((const int8_t *)keys[i] + d)
+                       : kind == KV_F16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)keys[i] + d)))
+                                        : _mm512_loadu_ps((const float *)keys[i] + d);
             for (int r = 0; r < R; r++) acc[r][i] = _mm512_fmadd_ps(x[r], k, acc[r][i]);
         }
     }
-    __m256 sc = _mm256_set1_ps(a->scale);
+    __m256 sc = key_factors(a, keys, 8, kind);
     for (int r = 0; r < R; r++) {
         v16 v[8];
         for (int i = 0; i < 8; i++) v[i].v = acc[r][i];
@@ -160,7 +196,7 @@ ALWAYS_INLINE void score_block_rows(const args_t *a, int R, const float *q, long
  * (v16_sum8_folded): every score the bits of score_block's. Row r: queries qs[r], scores ss[r][0..7]. */
 #define SHARE_MAX 6
 ALWAYS_INLINE void score_block_ptrs(const args_t *a, int R, const float *const *qs, const char *keys[8],
-                                    float *const *ss, int half) {
+                                    float *const *ss, int kind) {
     __m256 f[SHARE_MAX][8];
     const int KI = R <= 3 ? 2 : 1; /* keys per pass: their 4 R accumulators stay in registers */
     for (int i = 0; i < 8; i += KI) {
@@ -170,7 +206,11 @@ ALWAYS_INLINE void score_block_ptrs(const args_t *a, int R, const float *const *
         for (long d = 0; d < a->D; d += 16) {
             for (int k = 0; k < KI; k++) {
                 __m256 kl, kh;
-                if (half) {
+                if (kind == KV_I8) {
+                    const int8_t *kp = (const int8_t *)keys[i + k] + d;
+                    kl = v_from_i8(kp);
+                    kh = v_from_i8(kp + 8);
+                } else if (kind == KV_F16) {
                     const uint16_t *kp = (const uint16_t *)keys[i + k] + d;
                     kl = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)kp));
                     kh = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(kp + 8)));
@@ -187,17 +227,17 @@ ALWAYS_INLINE void score_block_ptrs(const args_t *a, int R, const float *const *
         for (int k = 0; k < KI; k++)
             for (int r = 0; r < R; r++) f[r][i + k] = _mm256_add_ps(lo[k][r], hi[k][r]);
     }
-    __m256 sc = _mm256_set1_ps(a->scale);
+    __m256 sc = key_factors(a, keys, 8, kind);
     for (int r = 0; r < R; r++) _mm256_storeu_ps(ss[r], _mm256_mul_ps(v16_sum8_folded(f[r]), sc));
 }
 
 /* score_block_rows (AVX-512's signature): rows q + r q_stride, scores s + r s_stride. */
 ALWAYS_INLINE void score_block_rows(const args_t *a, int R, const float *q, long q_stride, const char *keys[8],
-                                    float *s, long s_stride, int half) {
+                                    float *s, long s_stride, int kind) {
     const float *qs[SHARE_MAX];
     float *ss[SHARE_MAX];
     for (int r = 0; r < R; r++) qs[r] = q + r * q_stride, ss[r] = s + r * s_stride;
-    score_block_ptrs(a, R, qs, keys, ss, half);
+    score_block_ptrs(a, R, qs, keys, ss, kind);
 }
 #endif
 
@@ -205,10 +245,10 @@ ALWAYS_INLINE void score_block_rows(const args_t *a, int R, const float *q, long
  * score_block: a second call site for keys it all sees measured 10% slower at batch 16), masked keys
  * set to -inf. */
 ALWAYS_INLINE void score_row(const args_t *a, const float *q, const char *keys[8], long n, const uint8_t *m, float *st,
-                             int half) {
+                             int kind) {
     int any = 0;
     for (long i = 0; i < n; i++) any |= m[i];
-    if (any) score_block(a, q, keys, n, st, half);
+    if (any) score_block(a, q, keys, n, st, kind);
     for (long i = 0; i < n; i++)
         if (!m[i]) st[i] = -INFINITY;
 }
@@ -233,7 +273,7 @@ typedef struct {
  * Keys before run (every row of the block sees them) go without mask checks, each value loaded once
  * for all RB rows; keys from run to hi row by row. */
 ALWAYS_INLINE void weigh_values(const args_t *a, const rowset_t *rs, const int64_t *slots, long kvh, int RB, int NC,
-                                long d0, long run, long hi, int half) {
+                                long d0, long run, long hi, int kind) {
     v16 acc[RB_MAX][4];
     float sum[RB_MAX];
     for (int r = 0; r < RB; r++) {
@@ -245,13 +285,15 @@ ALWAYS_INLINE void weigh_values(const args_t *a, const rowset_t *rs, const int64
         if (PF_VALUES && j + PF_VALUES < run) {
             const char *pv = row_of(a, a->vc, slots, j + PF_VALUES, kvh, d0);
             for (long off = 0; off < 16 * NC * a->es; off += 64) _mm_prefetch(pv + off, _MM_HINT_T0);
+            if (kind == KV_I8) _mm_prefetch(pv + (a->D - d0) + 3, _MM_HINT_T0); /* the row's scale */
         }
         v16 x[4];
-        for (int c = 0; c < NC; c++)
-            x[c] = half ? v16_load_h((const uint16_t *)v + 16 * c) : v16_load((const float *)v + 16 * c);
+        for (int c = 0; c < NC; c++) x[c] = load_kv(v + 16 * c * a->es, kind);
+        const float sv = kind == KV_I8 ? row_scale(a, v, d0) : 1.0f;
         for (int r = 0; r < RB; r++) {
             float p = rs->s[r][j];
             sum[r] += p;
+            if (kind == KV_I8) p *= sv; /* the weight times the value row's scale: one rounding */
             for (int c = 0; c < NC; c++) acc[r][c] = v16_axpy_v(p, x[c], acc[r][c]);
         }
     }
@@ -262,7 +304,8 @@ ALWAYS_INLINE void weigh_values(const args_t *a, const rowset_t *rs, const int64
             if (!v) v = row_of(a, a->vc, slots, j, kvh, d0);
             float p = rs->s[r][j];
             sum[r] += p;
-            for (int c = 0; c < NC; c++) acc[r][c] = axpy_kv(p, v, c, half, acc[r][c]);
+            if (kind == KV_I8) p *= row_scale(a, v, d0);
+            for (int c = 0; c < NC; c++) acc[r][c] = axpy_kv(p, v, c, kind, acc[r][c]);
         }
     }
     for (int r = 0; r < RB; r++) {
@@ -272,11 +315,11 @@ ALWAYS_INLINE void weigh_values(const args_t *a, const rowset_t *rs, const int64
 }
 
 ALWAYS_INLINE void weigh_rows(const args_t *a, const rowset_t *rs, const int64_t *slots, long kvh, int RB, long run,
-                              long hi, int half) {
+                              long hi, int kind) {
     for (long d0 = 0; d0 < a->D; d0 += 64) {
         int NC = a->D - d0 >= 64 ? 4 : (int)((a->D - d0) / 16);
         /* constant RB and NC in the common cases, so the accumulators stay in registers */
-#define WEIGH(R, C) weigh_values(a, rs, slots, kvh, R, C, d0, run, hi, half)
+#define WEIGH(R, C) weigh_values(a, rs, slots, kvh, R, C, d0, run, hi, kind)
         if (NC == 4) {
             switch (RB) {
             case 1: WEIGH(1, 4); break;
@@ -300,7 +343,7 @@ ALWAYS_INLINE void weigh_rows(const args_t *a, const rowset_t *rs, const int64_t
  * (never read). Kept out of head: inlined there, it slowed the one-row loop of batch-16 plain steps
  * by ~10%. */
 static __attribute__((noinline)) void score_rows(const args_t *a, const uint8_t *mask, const int64_t *slots,
-                                                 const float *q, const extent_t *ext, long kvh, float *s, int half) {
+                                                 const float *q, const extent_t *ext, long kvh, float *s, int kind) {
     const long T = a->T, L = a->L, Lp = a->Lp;
     long hi_all = 0;
     for (long t = 0; t < T; t++) hi_all = ext[t].hi > hi_all ? ext[t].hi : hi_all;
@@ -316,13 +359,13 @@ static __attribute__((noinline)) void score_rows(const args_t *a, const uint8_t 
             int R = 1;
             while (R < 3 && n == 8 && t + R < T && j0 + 8 <= ext[t + R].run) R++;
             if (R > 1 && j0 + 8 <= ext[t].run) {
-                if (R == 3) score_block_rows(a, 3, q + t * a->q_stride, a->q_stride, keys, s + t * Lp + j0, Lp, half);
-                else score_block_rows(a, 2, q + t * a->q_stride, a->q_stride, keys, s + t * Lp + j0, Lp, half);
+                if (R == 3) score_block_rows(a, 3, q + t * a->q_stride, a->q_stride, keys, s + t * Lp + j0, Lp, kind);
+                else score_block_rows(a, 2, q + t * a->q_stride, a->q_stride, keys, s + t * Lp + j0, Lp, kind);
                 t += R - 1;
                 continue;
             }
 #endif
-            score_row(a, q + t * a->q_stride, keys, n, mask + t * L + j0, s + t * Lp + j0, half);
+            score_row(a, q + t * a->q_stride, keys, n, mask + t * L + j0, s + t * Lp + j0, kind);
         }
     }
 }
@@ -372,7 +415,7 @@ ALWAYS_INLINE void exp_scores(float *st, long hi) {
 }
 
 /* All T rows of request b, query head h. Returns -1 without memory for the rows' extents. */
-ALWAYS_INLINE int head(const args_t *a, long b, long h, float *s, int half) {
+ALWAYS_INLINE int head(const args_t *a, long b, long h, float *s, int kind) {
     const long T = a->T, L = a->L, Lp = a->Lp, kvh = h / (a->H / a->HKV);
     const uint8_t *mask = a->mask + b * T * L;
     const int64_t *slots = a->slots ? a->slots + b * L : 0;
@@ -386,10 +429,10 @@ ALWAYS_INLINE int head(const args_t *a, long b, long h, float *s, int half) {
             const char *keys[8];
             for (long i = 0; i < n; i++) keys[i] = row_of(a, a->kc, slots, j0 + i, kvh, 0);
             prefetch_keys(a, slots, j0 + PF_KEYS, kvh);
-            score_row(a, q, keys, n, mask + j0, s + j0, half);
+            score_row(a, q, keys, n, mask + j0, s + j0, kind);
         }
     else
-        score_rows(a, mask, slots, q, ext, kvh, s, half);
+        score_rows(a, mask, slots, q, ext, kvh, s, kind);
     for (long t = 0; t < T; t++) exp_scores(s + t * Lp, ext[t].hi);
     long out_stride = a->out_stride;
     float *out0 = a->out + b * T * out_stride + h * a->D;
@@ -405,7 +448,7 @@ ALWAYS_INLINE int head(const args_t *a, long b, long h, float *s, int half) {
         rowset_t rs;
         for (int r = 0; r < RB; r++)
             rs.m[r] = mask + (t0 + r) * L, rs.s[r] = s + (t0 + r) * Lp, rs.o[r] = out0 + (t0 + r) * out_stride;
-        weigh_rows(a, &rs, slots, kvh, RB, run, hi, half);
+        weigh_rows(a, &rs, slots, kvh, RB, run, hi, kind);
         t0 += RB;
     }
     return 0;
@@ -419,7 +462,7 @@ ALWAYS_INLINE int head(const args_t *a, long b, long h, float *s, int half) {
  * head alone (score_block / score_block_rows, weigh_values with each row's own accumulators), so the
  * bits are the same. s: scratch of (t_hi - t_lo) G rows of Lp floats. Returns -1 without memory for
  * the rows' extents. */
-ALWAYS_INLINE int head_group(const args_t *a, long b, long kvh, long t_lo, long t_hi, float *s, int half) {
+ALWAYS_INLINE int head_group(const args_t *a, long b, long kvh, long t_lo, long t_hi, float *s, int kind) {
     const long T = a->T, L = a->L, Lp = a->Lp, D = a->D, G = a->H / a->HKV;
     const uint8_t *mask = a->mask + b * T * L;
     const int64_t *slots = a->slots ? a->slots + b * L : 0;
@@ -444,25 +487,25 @@ ALWAYS_INLINE int head_group(const args_t *a, long b, long kvh, long t_lo, long 
 #if VL == 8
             /* AVX2, binary16 cache: this row's G heads and the next row's, when both see all eight
              * keys, from one widening of each key */
-            if (half && n == 8 && full && 2 * G <= SHARE_MAX && t + 1 < t_hi && j0 + 8 <= ext[t + 1].run) {
+            if (kind != KV_F32 && n == 8 && full && 2 * G <= SHARE_MAX && t + 1 < t_hi && j0 + 8 <= ext[t + 1].run) {
                 const float *qs[SHARE_MAX] = {0};
                 float *ss[SHARE_MAX] = {0};
                 for (long g = 0; g < 2 * G; g++)
                     qs[g] = qt + (g / G) * a->q_stride + (g % G) * D, ss[g] = st + (g / G) * G * Lp + (g % G) * Lp;
-                if (G == 3) score_block_ptrs(a, 6, qs, keys, ss, half);
-                else score_block_ptrs(a, (int)(2 * G), qs, keys, ss, half);
+                if (G == 3) score_block_ptrs(a, 6, qs, keys, ss, kind);
+                else score_block_ptrs(a, (int)(2 * G), qs, keys, ss, kind);
                 t++;
                 continue;
             }
 #endif
             /* the G heads' scores of these keys together, masked ones -inf after (on AVX2 only from a
              * binary16 cache: float32 keys need no widening, and sharing their loads measured no faster) */
-            if (n == 8 && any && (VL == 16 || half)) {
+            if (n == 8 && any && (VL == 16 || kind != KV_F32)) {
                 for (long g = 0; g < G;) {
                     long R = G - g >= 3 ? 3 : G - g;
-                    if (R == 3) score_block_rows(a, 3, qt + g * D, D, keys, st + g * Lp, Lp, half);
-                    else if (R == 2) score_block_rows(a, 2, qt + g * D, D, keys, st + g * Lp, Lp, half);
-                    else score_block(a, qt + g * D, keys, 8, st + g * Lp, half);
+                    if (R == 3) score_block_rows(a, 3, qt + g * D, D, keys, st + g * Lp, Lp, kind);
+                    else if (R == 2) score_block_rows(a, 2, qt + g * D, D, keys, st + g * Lp, Lp, kind);
+                    else score_block(a, qt + g * D, keys, 8, st + g * Lp, kind);
                     g += R;
                 }
                 if (!full)
@@ -471,7 +514,7 @@ ALWAYS_INLINE int head_group(const args_t *a, long b, long kvh, long t_lo, long 
                             if (!m[i]) st[g * Lp + i] = -INFINITY;
                 continue;
             }
-            for (long g = 0; g < G; g++) score_row(a, qt + g * D, keys, n, m, st + g * Lp, half);
+            for (long g = 0; g < G; g++) score_row(a, qt + g * D, keys, n, m, st + g * Lp, kind);
         }
     }
     const long rows = (t_hi - t_lo) * G;
@@ -489,25 +532,29 @@ ALWAYS_INLINE int head_group(const args_t *a, long b, long kvh, long t_lo, long 
             hi = ext[t].hi > hi ? ext[t].hi : hi;
             rs.m[r] = mask + t * L, rs.s[r] = s + c * Lp, rs.o[r] = out0 + t * a->out_stride + g * D;
         }
-        weigh_rows(a, &rs, slots, kvh, RB, run, hi, half);
+        weigh_rows(a, &rs, slots, kvh, RB, run, hi, kind);
         c0 += RB;
     }
     return 0;
 }
 
+/* The three instantiations: float32, binary16 and int8 caches. */
 static int group_f32(const args_t *a, long b, long kvh, long t_lo, long t_hi, float *s) {
-    return head_group(a, b, kvh, t_lo, t_hi, s, 0);
+    return head_group(a, b, kvh, t_lo, t_hi, s, KV_F32);
 }
 static int group_f16(const args_t *a, long b, long kvh, long t_lo, long t_hi, float *s) {
-    return head_group(a, b, kvh, t_lo, t_hi, s, 1);
+    return head_group(a, b, kvh, t_lo, t_hi, s, KV_F16);
 }
-
-/* The two instantiations: float32 and binary16 caches. */
-static int head_f32(const args_t *a, long b, long h, float *s) { return head(a, b, h, s, 0); }
-static int head_f16(const args_t *a, long b, long h, float *s) { return head(a, b, h, s, 1); }
+static int group_i8(const args_t *a, long b, long kvh, long t_lo, long t_hi, float *s) {
+    return head_group(a, b, kvh, t_lo, t_hi, s, KV_I8);
+}
+static int head_f32(const args_t *a, long b, long h, float *s) { return head(a, b, h, s, KV_F32); }
+static int head_f16(const args_t *a, long b, long h, float *s) { return head(a, b, h, s, KV_F16); }
+static int head_i8(const args_t *a, long b, long h, float *s) { return head(a, b, h, s, KV_I8); }
 
 /* q: row (b * T + t) at q + (b * T + t) * q_stride, heads of D floats side by side;
- * kc, vc: the cache [slots, n_kv, D], float32, or binary16 when kv_half is 1; slots: [B, L] int64
+ * kc, vc: the cache [slots, n_kv, D], float32 (kv_kind 0) or binary16 (1), or [slots, n_kv, D + 4] bytes
+ * (2: each row D int8 values x, then its float32 scale s; the value is s x); slots: [B, L] int64
  * or NULL (then request b = 0 reads slots run_start .. run_start + L - 1); mask: [B, T, L] bool
  * bytes; out: [B * T, H * D].
  * H must be a multiple of HKV and D a multiple of 16. Returns 0, or -1 when scratch memory could
@@ -518,15 +565,17 @@ static int head_f16(const args_t *a, long b, long h, float *s) { return head(a, 
  * to do, returns 0. */
 int rd_decode_attention(const float *q, long q_stride, const void *kc, const void *vc, const int64_t *slots,
                         long run_start, const uint8_t *mask, float *out, long B, long T, long L, long H, long HKV,
-                        long D, float scale, long kv_half) {
+                        long D, float scale, long kv_kind) {
     static long calls;
+    const long es = kv_kind == KV_I8 ? 1 : kv_kind == KV_F16 ? 2 : 4;
     args_t a = {q, kc, vc, slots, mask, out, q_stride, H * D, run_start, T, L, (L + 15) / 16 * 16, H, HKV, D,
-                kv_half ? 2 : 4, 0, scale};
+                es, kv_kind == KV_I8 ? D + 4 : D * es, 0, scale};
     long call;
 #pragma omp atomic capture
     call = ++calls;
     a.call = call;
-    int (*one_head)(const args_t *, long, long, float *) = !kv_half ? head_f32 : head_f16;
+    int (*one_head)(const args_t *, long, long, float *) =
+        kv_kind == KV_I8 ? head_i8 : kv_kind == KV_F16 ? head_f16 : head_f32;
     int failed = 0;
     long G = H / HKV;
     /* G > 1: the (request, key/value head) pairs, a request's rows split into chunks of at most
@@ -542,7 +591,8 @@ int rd_decode_attention(const float *q, long q_stride, const void *kc, const voi
         chunks = chunks < T ? chunks : T;
     }
     long chunk_rows = (T + chunks - 1) / chunks, rows = grouped ? chunk_rows * G : T;
-    int (*one_group)(const args_t *, long, long, long, long, float *) = !kv_half ? group_f32 : group_f16;
+    int (*one_group)(const args_t *, long, long, long, long, float *) =
+        kv_kind == KV_I8 ? group_i8 : kv_kind == KV_F16 ? group_f16 : group_f32;
 #pragma omp parallel if (B * H > 1)
     {
         float *s = malloc(sizeof(float) * (size_t)(rows * a.Lp));

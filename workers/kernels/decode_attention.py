@@ -29,9 +29,21 @@ between chunk sizes). Measured on the default model (EPYC Zen 4, ``gguf-avx512-i
 1000-token prompts, alternated runs): prefill time within the run-to-run spread either way."""
 
 
-KV_DTYPES = (torch.float32, torch.float16)
+KV_DTYPES = (torch.float32, torch.float16, torch.int8)
 """KV-cache element types the kernels read and write (float16: half the bytes a decoding step
-reads from the cache; the kernels widen each value exactly before float32 arithmetic)."""
+reads from the cache; int8: rows of ``head_dim`` bytes and a float32 scale,
+:func:`workers.kv_cache.quantize_rows`; the kernels widen each value exactly before float32
+arithmetic)."""
+
+
+def kv_kind(cache: torch.Tensor) -> int:
+    """The kernels' code for a cache tensor's element type: 0 float32, 1 float16, 2 int8 rows."""
+    return KV_DTYPES.index(cache.dtype)
+
+
+def cache_head_dim(cache: torch.Tensor) -> int:
+    """``head_dim`` of a cache tensor ``[rows, n_kv, head_dim]`` (int8 rows: ``head_dim + 4`` bytes)."""
+    return cache.shape[2] - 4 if cache.dtype == torch.int8 else cache.shape[2]
 
 
 def supports(head_dim: int, n_heads: int, n_kv: int) -> bool:
@@ -91,7 +103,8 @@ def attend(plan: AttentionPlan, q: torch.Tensor, k_cache: torch.Tensor, v_cache:
     Args:
         q: ``[batch * seq_len, n_heads, head_dim] float32`` (rows request-major; heads and
             head_dim contiguous, rows may be strided).
-        k_cache, v_cache: ``[cache_rows, n_kv, head_dim]`` float32 or float16 (widened exactly),
+        k_cache, v_cache: ``[cache_rows, n_kv, head_dim]`` float32 or float16 (widened exactly), or
+            ``[cache_rows, n_kv, head_dim + 4]`` int8 rows (:func:`workers.kv_cache.quantize_rows`),
             contiguous (one layer of the :class:`~workers.kv_cache.KVCache`).
         kernel: the C entry point ``rd_decode_attention`` to call; default the plan's build's
             (``benchmarks/decode_attention.py --baseline`` passes one built from another revision).
@@ -105,17 +118,18 @@ def attend(plan: AttentionPlan, q: torch.Tensor, k_cache: torch.Tensor, v_cache:
     """
     rows, H, D = q.shape
     HKV = k_cache.shape[1]
-    if (rows != plan.batch * plan.seq_len or q.stride(2) != 1 or q.stride(1) != D or not supports(D, H, HKV)
+    if (rows != plan.batch * plan.seq_len or k_cache.shape[2] != D + 4 * (k_cache.dtype == torch.int8) or q.stride(2) != 1 or q.stride(1) != D or not supports(D, H, HKV)
             or q.dtype != torch.float32 or k_cache.dtype not in KV_DTYPES or v_cache.dtype != k_cache.dtype
             or not (k_cache.is_contiguous() and v_cache.is_contiguous())):
         raise ValueError(f"queries {tuple(q.shape)} do not fit the plan ({plan.batch}x{plan.seq_len} rows) "
                          f"or the kernel (head_dim a multiple of 16, heads a multiple of {HKV}, float32 queries, "
-                         f"a contiguous float32 or float16 cache, got {k_cache.dtype})")
+                         f"a contiguous cache of float32, float16 or int8 rows, keys and values alike; got keys "
+                         f"{k_cache.dtype} {tuple(k_cache.shape)}, values {v_cache.dtype})")
     out = torch.empty(rows, H * D)
     status = (kernel or build.kernel(plan.isa, "rd_decode_attention"))(
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
         0 if plan.slots is None else plan.slots.data_ptr(), plan.run_start, plan.mask.data_ptr(), out.data_ptr(),
-        plan.batch, plan.seq_len, plan.kv_len, H, HKV, D, 1.0 / math.sqrt(D), int(k_cache.dtype == torch.float16))
+        plan.batch, plan.seq_len, plan.kv_len, H, HKV, D, 1.0 / math.sqrt(D), kv_kind(k_cache))
     if status:
         raise MemoryError("decode attention could not allocate its scratch memory")
     return out
@@ -132,7 +146,9 @@ def rope_write_kv(isa: str, qkv: torch.Tensor, cos: torch.Tensor, sin_signed: to
         slot_mapping: ``[N] long`` cache slot of each token (checked against the cache's rows by
             the caller, once per forward).
         k_cache, v_cache: ``[cache_rows, n_kv, head_dim]`` float32, or float16 (each value rounded to
-            the nearest, ties to even, as ``.to(torch.float16)`` rounds), contiguous, written in place.
+            the nearest, ties to even, as ``.to(torch.float16)`` rounds), or int8 rows ``[cache_rows,
+            n_kv, head_dim + 4]`` (the bits of :func:`workers.kv_cache.quantize_rows`), contiguous,
+            written in place.
 
     Returns:
         rotated queries ``[N, n_heads, head_dim]``, bit-identical to
@@ -142,7 +158,7 @@ def rope_write_kv(isa: str, qkv: torch.Tensor, cos: torch.Tensor, sin_signed: to
         ValueError: shapes or dtypes that do not match.
     """
     N, width = qkv.shape
-    D = k_cache.shape[2]
+    D = cache_head_dim(k_cache)
     if (width != (n_heads + 2 * n_kv) * D or k_cache.shape[1] != n_kv or not qkv.is_contiguous()
             or cos.shape != (N, 1, D) or sin_signed.shape != (N, 1, D) or not cos.is_contiguous()
             or not sin_signed.is_contiguous() or slot_mapping.shape != (N,) or slot_mapping.dtype != torch.int64
@@ -154,5 +170,5 @@ def rope_write_kv(isa: str, qkv: torch.Tensor, cos: torch.Tensor, sin_signed: to
     q = torch.empty(N, n_heads, D)
     build.kernel(isa, "rd_rope_write_kv")(qkv.data_ptr(), cos.data_ptr(), sin_signed.data_ptr(), slot_mapping.data_ptr(),
                                           k_cache.data_ptr(), v_cache.data_ptr(), q.data_ptr(), N, n_heads, n_kv, D,
-                                          int(k_cache.dtype == torch.float16))
+                                          kv_kind(k_cache))
     return q

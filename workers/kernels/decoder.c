@@ -22,10 +22,10 @@
 
 void rd_rms_norm(float *x, const float *delta, const float *w, float *out, long rows, long n, float eps);
 void rd_rope_write_kv(const float *qkv, const float *cos, const float *sin_signed, const int64_t *slots,
-                      void *k_cache, void *v_cache, float *q_out, long N, long H, long HKV, long D, long kv_half);
+                      void *k_cache, void *v_cache, float *q_out, long N, long H, long HKV, long D, long kv_kind);
 int rd_decode_attention(const float *q, long q_stride, const void *kc, const void *vc, const int64_t *slots,
                         long run_start, const uint8_t *mask, float *out, long B, long T, long L, long H, long HKV,
-                        long D, float scale, long kv_half);
+                        long D, float scale, long kv_kind);
 
 /* out[r, i] = silu(gu[r, i]) * gu[r, n + i]: gu [rows, 2 n] (gate, then up), out [rows, n]. A row's
  * tail of n % VL values goes through the same vector operations (padded), so every value rounds the
@@ -50,8 +50,8 @@ void rd_silu_mul(const float *gu, float *out, long rows, long n) {
 typedef struct {
     rd_lin qkv, o, gate_up, down;
     const float *post_norm, *next_norm; /* [hidden]: post-attention norm, then the next layer's input norm (or the final one) */
-    void *k_cache, *v_cache;            /* [cache rows, HKV, D], float32 or binary16 (kv_half) */
-    long kv_half;
+    void *k_cache, *v_cache;            /* [cache rows, HKV, D] float32 or binary16, or int8 rows (kv_kind) */
+    long kv_kind;
 } rd_layer;
 
 typedef struct {
@@ -80,12 +80,12 @@ int rd_decoder_forward(const rd_layer *layers, long n_layers, const rd_group *gr
     for (long l = 0; l < n_layers && !status; l++) {
         const rd_layer *L = layers + l;
         if ((status = linear(&L->qkv, h, qkv, N))) break;
-        rd_rope_write_kv(qkv, cos, sin_signed, slot_mapping, L->k_cache, L->v_cache, q, N, H, HKV, D, L->kv_half);
+        rd_rope_write_kv(qkv, cos, sin_signed, slot_mapping, L->k_cache, L->v_cache, q, N, H, HKV, D, L->kv_kind);
         for (long g = 0; g < n_groups && !status; g++) {
             const rd_group *G = groups + g;
             status = rd_decode_attention(q + G->start * att_w, att_w, L->k_cache, L->v_cache, G->slots, G->run_start,
                                          G->mask, att + G->start * att_w, G->batch, G->seq_len, G->kv_len, H, HKV, D,
-                                         scale, L->kv_half);
+                                         scale, L->kv_kind);
         }
         if (status || (status = linear(&L->o, att, o, N))) break;
         rd_rms_norm(x, o, L->post_norm, h, N, hidden, eps);

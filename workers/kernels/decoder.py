@@ -20,7 +20,7 @@ import weakref
 import torch
 
 from workers.kernels import build
-from workers.kernels.decode_attention import AttentionPlan
+from workers.kernels.decode_attention import AttentionPlan, kv_kind
 from workers.kernels.packed_linear import PackedLinear
 from workers.kernels.quant_linear import QuantLinear
 
@@ -36,7 +36,7 @@ class _Lin(ctypes.Structure):
 
 class _Layer(ctypes.Structure):
     _fields_ = [("qkv", _Lin), ("o", _Lin), ("gate_up", _Lin), ("down", _Lin), ("post_norm", _P),
-                ("next_norm", _P), ("k_cache", _P), ("v_cache", _P), ("kv_half", _L)]
+                ("next_norm", _P), ("k_cache", _P), ("v_cache", _P), ("kv_kind", _L)]
 
 
 class _Group(ctypes.Structure):
@@ -91,7 +91,7 @@ def _layer_key(model, cache) -> tuple | None:
         nxt = layers[i + 1]._modules["input_layernorm"] if i + 1 < len(layers) else None
         add((mods["post_attention_layernorm"]._parameters["weight"].data_ptr(),
              final if nxt is None else nxt._parameters["weight"].data_ptr(), cache.k[i].data_ptr(), cache.v[i].data_ptr(),
-             int(cache.k[i].dtype == torch.float16)))
+             kv_kind(cache.k[i])))
     return tuple(key)
 
 

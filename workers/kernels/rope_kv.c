@@ -10,10 +10,14 @@
  * ``x * cos + rotate_half(x) * sin`` does (no fused multiply-add: the C11 mode this is compiled in
  * does not contract), so the results equal workers.models.rope.apply_rotary's bit for bit.
  *
- * A float16 cache (kv_half) gets each key and value rounded to the nearest IEEE binary16 (ties to
- * even: F16C's vcvtps2ph, as torch's ``.to(torch.float16)`` rounds).
+ * A float16 cache (kv_kind 1) gets each key and value rounded to the nearest IEEE binary16 (ties to
+ * even: F16C's vcvtps2ph, as torch's ``.to(torch.float16)`` rounds). An int8 cache (kv_kind 2) gets
+ * each token's key/value head as D bytes x and a float32 scale s (to_int8; workers/kv_cache.py's
+ * quantize_rows computes the same bits).
  */
+#include <float.h>
 #include <immintrin.h>
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -31,16 +35,47 @@ static void to_half(const float *x, uint16_t *y, long n) {
     for (; i < n; i++) y[i] = _cvtss_sh(x[i], _MM_FROUND_TO_NEAREST_INT);
 }
 
+/* D float32 values -> an int8 cache row: s = max |x| / 127, y = round(x * (1 / s)) (ties to even,
+ * within [-127, 127]), then s's 4 bytes; a row with s below FLT_MIN (all zero) stores y = 0, s = 0.
+ * One rounding per operation (this file is compiled without contraction). */
+static void to_int8(const float *x, int8_t *y, long D) {
+    float m = 0.0f;
+    for (long d = 0; d < D; d++) m = fabsf(x[d]) > m ? fabsf(x[d]) : m;
+    float s = m / 127.0f;
+    if (s < FLT_MIN) {
+        memset(y, 0, (size_t)D);
+        s = 0.0f;
+    } else {
+        const float inv = 1.0f / s;
+        for (long d = 0; d < D; d++) {
+            float r = nearbyintf(x[d] * inv);
+            y[d] = (int8_t)(r > 127.0f ? 127.0f : r < -127.0f ? -127.0f : r);
+        }
+    }
+    memcpy(y + D, &s, sizeof s);
+}
+
 /* qkv: [N, (H + 2 HKV) D]; cos, sin_signed: [N, D]; slots: [N] int64; k_cache, v_cache: [slots, HKV, D]
- * float32, or binary16 when kv_half is 1; q_out: [N, H, D]. D must be even and at most 1024. A slot
- * written twice (padding rows share the trash slot) keeps the later row's values. */
+ * float32 (kv_kind 0) or binary16 (1), or [slots, HKV, D + 4] bytes (2: to_int8's rows); q_out:
+ * [N, H, D]. D must be even and at most 1024. A slot written twice (padding rows share the trash
+ * slot) keeps the later row's values. */
 void rd_rope_write_kv(const float *qkv, const float *cos, const float *sin_signed, const int64_t *slots,
-                      void *k_cache, void *v_cache, float *q_out, long N, long H, long HKV, long D, long kv_half) {
+                      void *k_cache, void *v_cache, float *q_out, long N, long H, long HKV, long D, long kv_kind) {
     long width = (H + 2 * HKV) * D;
     for (long n = 0; n < N; n++) {
         const float *row = qkv + n * width, *c = cos + n * D, *s = sin_signed + n * D;
         for (long h = 0; h < H; h++) rotate(row + h * D, c, s, q_out + (n * H + h) * D, D);
-        if (!kv_half) {
+        if (kv_kind == 2) {
+            int8_t *k = (int8_t *)k_cache + slots[n] * HKV * (D + 4), *v = (int8_t *)v_cache + slots[n] * HKV * (D + 4);
+            float rotated[1024];
+            for (long g = 0; g < HKV; g++) {
+                rotate(row + (H + g) * D, c, s, rotated, D);
+                to_int8(rotated, k + g * (D + 4), D);
+                to_int8(row + (H + HKV + g) * D, v + g * (D + 4), D);
+            }
+            continue;
+        }
+        if (!kv_kind) {
             float *k = (float *)k_cache + slots[n] * HKV * D;
             for (long g = 0; g < HKV; g++) rotate(row + (H + g) * D, c, s, k + g * D, D);
             memcpy((float *)v_cache + slots[n] * HKV * D, row + (H + HKV) * D, sizeof(float) * HKV * D);

@@ -164,6 +164,27 @@ static inline v16 v16_axpy_h(float p, const uint16_t *v, v16 acc) {
     return acc;
 }
 
+/* int8 versions (a KV cache in int8 rows): the bytes widen exactly, then as v16_fma / v16_load. */
+static inline v16 v16_fma_i8(const float *a, const int8_t *b, v16 c) {
+#if VL == 16
+    c.v = _mm512_fmadd_ps(_mm512_loadu_ps(a), v_from_i8(b), c.v);
+#else
+    c.lo = _mm256_fmadd_ps(_mm256_loadu_ps(a), v_from_i8(b), c.lo);
+    c.hi = _mm256_fmadd_ps(_mm256_loadu_ps(a + 8), v_from_i8(b + 8), c.hi);
+#endif
+    return c;
+}
+static inline v16 v16_load_i8(const int8_t *v) {
+    v16 a;
+#if VL == 16
+    a.v = v_from_i8(v);
+#else
+    a.lo = v_from_i8(v);
+    a.hi = v_from_i8(v + 8);
+#endif
+    return a;
+}
+
 /* out[0..15] = acc * s. */
 static inline void v16_store_scaled(float *out, v16 acc, float s) {
 #if VL == 16

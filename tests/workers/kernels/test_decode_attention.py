@@ -232,7 +232,7 @@ def test_a_float16_cache_gives_the_bits_of_its_values_widened(B, T, L, isa):
     got = attend(p, q, kh, vh)
     assert torch.equal(got, attend(p, q, kh.float(), vh.float()))
     assert (got.double() - reference(q, kh.float(), vh.float(), slots, mask)).abs().max() < TOL
-    with pytest.raises(ValueError, match="float16 cache"):
+    with pytest.raises(ValueError, match="float16 or int8 rows"):
         attend(p, q, kh, vc)  # keys and values of different dtypes
 
 

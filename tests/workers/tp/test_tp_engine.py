@@ -77,18 +77,20 @@ def test_engine_greedy_output_is_token_identical(dirs, reference, tp):
         engine.close()
 
 
-def test_a_float16_kv_cache_on_tp2_gives_tp1s_tokens(dirs):
-    """``kv_cache_dtype: float16`` reaches every rank (each holds its KV heads in float16, rounded the
-    same way), so TP2 decodes TP1's tokens with that cache too, plain and speculative."""
-    single = load_engine(str(dirs[0]), str(dirs[1]), enable_prefix_caching=False, kv_cache_dtype="float16", **OPTIONS)
+@pytest.mark.parametrize("kv", ["float16", "int8"])
+def test_a_float16_or_int8_kv_cache_on_tp2_gives_tp1s_tokens(dirs, kv):
+    """``kv_cache_dtype: float16`` / ``int8`` reaches every rank (each holds its KV heads in that
+    dtype, rounded or quantized per head the same way), so TP2 decodes TP1's tokens with that cache
+    too, plain and speculative."""
+    single = load_engine(str(dirs[0]), str(dirs[1]), enable_prefix_caching=False, kv_cache_dtype=kv, **OPTIONS)
     try:
         want = run_all(single)
     finally:
         single.close()
     engine = load_engine(str(dirs[0]), str(dirs[1]), executor_factory=tp_executor_factory(str(dirs[0]), 2, 1),
-                         kv_cache_dtype="float16", **OPTIONS)
+                         kv_cache_dtype=kv, **OPTIONS)
     try:
-        assert engine.executor.worker.cache.k[0].dtype == torch.float16
+        assert engine.executor.worker.cache.k[0].dtype == getattr(torch, kv)
         assert run_all(engine) == want
     finally:
         engine.close()
