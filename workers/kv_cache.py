@@ -25,18 +25,22 @@ def quantize_rows(x: torch.Tensor) -> torch.Tensor:
     """Rows of float32 values -> int8 cache rows: ``[..., D] float32 -> [..., D + 4] int8``.
 
     Per row (one token's key or value head): ``s = max |x| / 127``, ``y = round(x * (1 / s))``
-    (ties to even, within [-127, 127]), then the 4 bytes of ``s``; an all-zero row stores ``y = 0,
-    s = 0``. The value a row stands for is ``s * y`` (:func:`dequantize_rows`), within ``s / 2`` of
-    ``x``. Absmax quantization per token and head, as llama.cpp's q8_0 KV cache does per 32 values
+    (ties to even, within [-127, 127]), then the 4 bytes of ``s``; an all-zero row (``s`` below the
+    smallest normal float32) stores ``y = 0, s = 0``, and a row holding a NaN or an infinity ``y = 0,
+    s = NaN``, so it reads back as NaN as a float cache's would. The value a row stands for is
+    ``s * y`` (:func:`dequantize_rows`), within ``s / 2`` of ``x``. Absmax quantization per token and head, as llama.cpp's q8_0 KV cache does per 32 values
     and TensorRT-LLM's INT8 KV cache per tensor. The C write (``workers/kernels/rope_kv.c``,
     ``to_int8``) computes the same bits, so either path may fill a cache the other reads.
     """
     x = x.float()
+    bad = ~torch.isfinite(x).all(-1, keepdim=True)
+    x = x.masked_fill(bad, 0.0)
     s = x.abs().amax(-1, keepdim=True) / 127.0
     zero = s < torch.finfo(torch.float32).tiny
     s = s.masked_fill(zero, 0.0)
     inv = torch.where(zero, torch.zeros_like(s), 1.0 / torch.where(zero, torch.ones_like(s), s))
     y = torch.round(x * inv).clamp_(-127, 127).to(torch.int8)
+    s = s.masked_fill(bad, float("nan"))
     return torch.cat([y, s.contiguous().view(torch.int8)], dim=-1)
 
 

@@ -36,15 +36,20 @@ static void to_half(const float *x, uint16_t *y, long n) {
 }
 
 /* D float32 values -> an int8 cache row: s = max |x| / 127, y = round(x * (1 / s)) (ties to even,
- * within [-127, 127]), then s's 4 bytes; a row with s below FLT_MIN (all zero) stores y = 0, s = 0.
- * One rounding per operation (this file is compiled without contraction). */
+ * within [-127, 127]), then s's 4 bytes; a row with s below FLT_MIN (all zero) stores y = 0, s = 0,
+ * and a row holding a NaN or an infinity y = 0, s = NaN (it reads back as NaN, as a float cache's
+ * would). One rounding per operation (this file is compiled without contraction). */
 static void to_int8(const float *x, int8_t *y, long D) {
     float m = 0.0f;
-    for (long d = 0; d < D; d++) m = fabsf(x[d]) > m ? fabsf(x[d]) : m;
+    int finite = 1;
+    for (long d = 0; d < D; d++) {
+        finite &= isfinite(x[d]) != 0;
+        m = fabsf(x[d]) > m ? fabsf(x[d]) : m;
+    }
     float s = m / 127.0f;
-    if (s < FLT_MIN) {
+    if (!finite || s < FLT_MIN) {
         memset(y, 0, (size_t)D);
-        s = 0.0f;
+        s = finite ? 0.0f : NAN;
     } else {
         const float inv = 1.0f / s;
         for (long d = 0; d < D; d++) {

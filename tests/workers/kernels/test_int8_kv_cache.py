@@ -32,6 +32,11 @@ def test_quantize_rows_round_half_to_even_within_half_a_step_and_keep_zero_rows(
     back = dequantize_rows(rows)
     assert back.shape == x.shape and back.dtype == torch.float32
     assert ((back - x).abs() <= s * 0.5 * (1 + 1e-5)).all()
+    # a row holding a NaN or an infinity reads back as NaN (as a float cache's would), the others not
+    odd = torch.randn(3, 8)
+    odd[0, 2], odd[1, 5] = float("nan"), float("-inf")
+    back = dequantize_rows(quantize_rows(odd))
+    assert back[:2].isnan().all() and back[2].isfinite().all()
     # ties go to even: 0.5 and 1.5 steps of a row whose scale is exactly 1
     tie = torch.zeros(1, 64)
     tie[0, :3] = torch.tensor([127.0, 0.5, 1.5])
@@ -60,6 +65,8 @@ def test_the_c_write_stores_the_bits_of_the_torch_write(H, HKV, D, isa):
     cos, sin = rotary(torch.tensor([0, 5, 300, 7, 7, 511]), torch.float32)
     qkv = torch.randn(N, (H + 2 * HKV) * D) * torch.tensor([1e-4, 1, 30, 1, 1, 500])[:, None]
     qkv[2, (H + HKV) * D:] = 0.0  # a token whose values are all zero
+    qkv[1, (H + HKV) * D + 1] = float("inf")  # a value row holding an infinity, a key row a NaN: scale NaN
+    qkv[5, H * D + 3] = float("nan")
     slots = torch.tensor([3, 9, 0, 39, 39, 17])
     kc, vc = (torch.zeros(rows, HKV, D + 4, dtype=torch.int8) for _ in range(2))
     q = rope_write_kv(isa, qkv, cos, sin, slots, kc, vc, H, HKV)
@@ -68,6 +75,8 @@ def test_the_c_write_stores_the_bits_of_the_torch_write(H, HKV, D, isa):
     want_k, want_v = quantize_rows(qk[:, H:]), quantize_rows(qkv[:, (H + HKV) * D:].view(N, HKV, D))
     for n in (0, 1, 2, 4, 5):  # of rows 3 and 4 (both slot 39), the later one wins
         assert torch.equal(kc[slots[n]], want_k[n]) and torch.equal(vc[slots[n]], want_v[n]), n
+    assert dequantize_rows(vc[slots[1]])[0].isnan().all() and dequantize_rows(vc[slots[1]])[1:].isfinite().all()
+    assert dequantize_rows(kc[slots[5]])[0].isnan().all()
     with pytest.raises(ValueError, match="do not fit"):
         rope_write_kv(isa, qkv, cos, sin, slots, kc, vc, H + 1, HKV)
 
