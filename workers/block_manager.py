@@ -243,6 +243,7 @@ class KVCacheSize:
     num_blocks: int
     block_size: int
     bytes_per_token: int
+    dtype: str = "float32"  # what it stores (engine.kv_cache_dtype resolved: float32, bfloat16, float16, int8)
 
     @property
     def num_tokens(self) -> int:
@@ -255,7 +256,7 @@ class KVCacheSize:
     def __str__(self) -> str:
         return (
             f"KV cache: {self.num_blocks} blocks x {self.block_size} tokens = {self.num_tokens} tokens, "
-            f"{self.mib:.1f} MiB ({self.bytes_per_token} bytes/token)"
+            f"{self.mib:.1f} MiB ({self.dtype}, {self.bytes_per_token} bytes/token)"
         )
 
 

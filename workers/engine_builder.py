@@ -184,8 +184,9 @@ def _size_cache(cfg, dtype, opts: EngineOptions, max_seq_len: int, policy: SpecP
     """Blocks for ``num_kv_blocks``, or ``kv_cache_fraction`` of free memory capped at what
     ``max_batch_size`` full-length sequences with the largest draft tree need."""
     per_token = kv_bytes_per_token(cfg, dtype, opts.tp_size)
+    name = str(dtype).removeprefix("torch.")
     if opts.num_kv_blocks is not None:
-        return size_kv_cache(per_token, opts.tokens_per_block, num_blocks=opts.num_kv_blocks)
+        return replace(size_kv_cache(per_token, opts.tokens_per_block, num_blocks=opts.num_kv_blocks), dtype=name)
     max_tree = max((b * d for b, d in policy.shapes), default=0)
     if max_tree and lookup:
         max_tree += lookup.longest
@@ -193,7 +194,7 @@ def _size_cache(cfg, dtype, opts: EngineOptions, max_seq_len: int, policy: SpecP
     cap = -(-need_tokens // opts.tokens_per_block)
     size = size_kv_cache(per_token, opts.tokens_per_block, kv_cache_fraction=opts.kv_cache_fraction,
                          free_bytes=_free_memory_bytes(device))
-    return replace(size, num_blocks=min(size.num_blocks, cap))
+    return replace(size, num_blocks=min(size.num_blocks, cap), dtype=name)
 
 
 def _free_memory_bytes(device: torch.device) -> int:

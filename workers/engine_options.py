@@ -60,9 +60,11 @@ class EngineOptions(BaseModel):
         "attention reads every request's keys and values once per layer) and doubles the tokens it holds; keys "
         "and values round to the nearest float16 when written, plain and speculative decoding alike. 'int8' "
         "stores each token's key/value head as int8 values and one float32 scale (absmax per row, as llama.cpp's "
-        "q8_0 KV cache): about half float16's bytes, so long contexts and large batches decode faster and twice "
-        "the tokens fit; values are rounded to 1/254 of their row's largest magnitude, so outputs may differ "
-        "slightly from a float cache's (plain and speculative decoding still agree with each other)")
+        "q8_0 KV cache): 68 bytes a row of 64 values against float16's 128, so 1.88x the tokens fit in the same "
+        "memory (where memory, not max_batch_size x max_seq_len, sizes the cache); values are rounded to 1/254 of "
+        "their row's largest magnitude (answer perplexity +0.33%, float16 +0.05%), so outputs may differ slightly "
+        "from a float cache's (plain and speculative decoding still agree with each other); on the EPYC AVX2 it "
+        "decodes no faster than float16 (BENCHMARKS.md 20)")
     kv_cache_fraction: float = Field(0.2, gt=0, le=1, description="share of the memory free after loading the "
                                      "weights that the KV cache takes (capped at what max_batch_size full-length "
                                      "sequences need)")

@@ -93,6 +93,10 @@ def calibrate(
                                "Otherwise the derived table: as speculation.by_compute_path.PATH.table for the "
                                "compute path measured (e.g. gguf-avx2-int8) when the config has that section, else "
                                "as speculation.policy 'table', speculation.table and speculation.spec_max_load."),
+    replace_other: bool = typer.Option(False, "--replace-other", help="Overwrite an output file that holds figures "
+                                       "measured on another compute path or KV cache dtype (without it, calibrate "
+                                       "stops before measuring: replicas of that other setup read that file; a "
+                                       "file measured on another thread count, another machine's, is replaced)."),
 ) -> None:
     """Measure step costs and acceptance here; derive and write the speculation table (or, with policy auto, the calibration file)."""
     from cluster.cli.common import startable_config, with_model_dir
@@ -124,6 +128,13 @@ def calibrate(
         out = calibrations.get(engine.compute_path) or config.resolve().parent / f"{config.stem}.calibration.{engine.compute_path}.json"
     if not out.parent.is_dir():  # before minutes of measuring, not after
         err_console.print(f"cannot write {out}: directory {out.parent} does not exist")
+        raise typer.Exit(2)
+    here = {"compute_path": engine.compute_path, "kv_cache_dtype": engine.step_conditions["kv_cache_dtype"]}
+    if (other := _other_setup(out, here)) and not replace_other:
+        err_console.print(f"{out} holds figures measured with {other}; this engine runs with "
+                          + ", ".join(f"{k} {here[k]!r}" for k in sorted(here)) + ". Replicas of that setup read "
+                          "that file: pass --out for a file of this setup's own (and point the config at it), or "
+                          "--replace-other to overwrite it.")
         raise typer.Exit(2)
     all_ids = _prompts(engine, prompts, prompts_per_category)
     prompt_ids = [ids for ids in all_ids if len(ids) + max_tokens <= engine.max_seq_len]
@@ -193,6 +204,19 @@ def calibrate(
         _write_schedule(config, rows, f"derived by `rdserve calibrate` ({out.name}): batch sizes {batch_sizes}, "
                                       f"shapes {shapes}")
         console.print(f"speculation.policy, speculation.table and speculation.spec_max_load written to {config}")
+
+
+def _other_setup(out: Path, here: dict) -> str:
+    """The settings ``out`` (an existing calibration file) was measured with that differ from
+    ``here`` (compute path, KV cache dtype), as text; "" when none differ or the file
+    is absent or unreadable (then it is replaced as before)."""
+    try:
+        held = json.loads(out.read_text())
+    except (OSError, ValueError):
+        return ""
+    if not isinstance(held, dict):
+        return ""
+    return ", ".join(f"{k} {held[k]!r}" for k in sorted(here) if k in held and held[k] != here[k])
 
 
 def _report_auto_file(files: tuple, path: str, out: Path, config: Path) -> None:

@@ -175,7 +175,7 @@ def _print_ready(cfg: RdserveConfig, base_url: str) -> None:
     try:
         kv = httpx.get(f"{base_url}/health", timeout=5.0).json()["kv_cache"]
         console.print(f"paged KV cache per replica: {kv['blocks']} blocks x {kv['tokens_per_block']} tokens = "
-                      f"{kv['tokens']} tokens, {kv['mib']} MiB")
+                      f"{kv['tokens']} tokens, {kv['mib']} MiB, {kv.get('dtype', '?')}")
     except (httpx.HTTPError, KeyError, ValueError):
         pass
     if cfg.observability.enabled:

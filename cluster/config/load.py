@@ -12,7 +12,7 @@ from cluster.config.rdserve import RdserveConfig
 
 
 def format_validation_error(err: ValidationError) -> str:
-    """One line per problem: ``dotted.field: pydantic message``."""
+    """One line per problem: ``dotted.field: pydantic message (got VALUE)``, the value where it is a scalar."""
     lines = []
     for e in err.errors():
         field = ".".join(str(p) for p in e["loc"]).replace(".[key]", " (key)")  # a mapping's key is what is wrong
@@ -20,7 +20,9 @@ def format_validation_error(err: ValidationError) -> str:
         if own != e["msg"] and (not field or own.startswith(field + ".")):  # a section's or cross-section check:
             lines.append(own)                                                # its message names the field
             continue
-        lines.append(f"{field or '(top level)'}: {own}")
+        given = e.get("input")
+        got = f" (got {given!r})" if isinstance(given, (str, int, float, bool)) and repr(given) not in own else ""
+        lines.append(f"{field or '(top level)'}: {own}{got}")
     return "\n".join(lines)
 
 

@@ -102,7 +102,7 @@ class EngineReplica:
                 "compute_path": self.engine.compute_path, "speculation": policy_text(self.engine.spec_policy),
                 "spec_max_load": self.spec_cfg.spec_max_load,
                 "kv_cache": {"blocks": kv.num_blocks, "tokens_per_block": kv.block_size, "tokens": kv.num_tokens,
-                             "mib": round(kv.mib, 1), "free_blocks": snap.free_blocks,
+                             "mib": round(kv.mib, 1), "dtype": kv.dtype, "free_blocks": snap.free_blocks,
                              "cached_blocks": snap.cached_blocks},
                 **({"failure": str(failure)} if (failure := snap.failure or self.async_engine.failure)
                    else {})}

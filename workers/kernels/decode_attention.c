@@ -98,7 +98,7 @@ ALWAYS_INLINE void prefetch_keys(const args_t *a, const int64_t *slots, long j, 
     for (long i = 0; i < 8; i++) {
         const char *k = row_of(a, a->kc, slots, j + i, kvh, 0);
         for (long off = 0; off < a->row_bytes; off += 64) _mm_prefetch(k + off, _MM_HINT_T0);
-        _mm_prefetch(k + a->row_bytes - 1, _MM_HINT_T0); /* an int8 row's scale may start a line */
+        if (a->row_bytes % 64) _mm_prefetch(k + a->row_bytes - 1, _MM_HINT_T0); /* int8 rows: the scale's line */
     }
 }
 

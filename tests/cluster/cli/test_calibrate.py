@@ -225,3 +225,30 @@ def test_each_step_cost_is_the_median_of_its_rounds(tiny_config_path, tmp_path, 
     ])
     assert once.exit_code == 0, once.output
     assert json.loads(out.read_text())["round_spread"] is None and "spread" not in once.output
+
+
+def test_a_file_measured_with_another_kv_cache_dtype_is_not_overwritten_without_replace_other(tiny_config_path,
+                                                                                               tmp_path):
+    """Calibrating an int8-cache copy of a config whose file was measured on a float32 cache stops
+    before measuring, naming both setups (replicas of the other setup read that file); a file of
+    its own, or --replace-other, go ahead."""
+    config = tiny_config_path.parent / "calibrate_int8_cache.yaml"
+    config.write_text(tiny_config_path.read_text())
+    out = tmp_path / "cal.json"
+    held = {"compute_path": "x", "kv_cache_dtype": "float32", "plain_step_s": {"1": 0.01}}
+    out.write_text(json.dumps(held))
+    args = ["calibrate", "-c", str(config), "--batch-sizes", "1", "--shapes", "1x2", "--repeats", "1", "--rounds", "1",
+            "--max-tokens", "4", "--prompts-per-category", "1", "--context-len", "8", "--no-write"]
+    config.write_text(config.read_text().replace("num_threads: 1}", "num_threads: 1, kv_cache_dtype: int8}", 1))
+    assert load_config(config).engine.kv_cache_dtype == "int8"
+    refused = CliRunner().invoke(app, [*args, "--out", str(out)])
+    assert refused.exit_code == 2, refused.output
+    text = " ".join(refused.output.split())
+    assert "kv_cache_dtype 'float32'" in text and "kv_cache_dtype 'int8'" in text and "--replace-other" in text
+    assert json.loads(out.read_text()) == held  # untouched
+    own = CliRunner().invoke(app, [*args, "--out", str(tmp_path / "int8.json")])
+    assert own.exit_code == 0, own.output
+    assert json.loads((tmp_path / "int8.json").read_text())["kv_cache_dtype"] == "int8"
+    forced = CliRunner().invoke(app, [*args, "--out", str(out), "--replace-other"])
+    assert forced.exit_code == 0, forced.output
+    assert json.loads(out.read_text())["kv_cache_dtype"] == "int8"

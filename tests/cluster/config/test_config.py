@@ -81,7 +81,10 @@ def test_relative_paths_resolve_against_the_config_directory(tmp_path):
     [
         ("speculation: {num_beams: 17}", "speculation.num_beams: Input should be less than or equal to 16"),
         ("speculation: {draft_len_per_beam: 0}", "speculation.draft_len_per_beam"),
-        ("speculation: {policy: sometimes}", "speculation.policy: Input should be 'fixed', 'table', 'auto' or 'off'"),
+        ("speculation: {policy: sometimes}", "speculation.policy: Input should be 'fixed', 'table', 'auto' or 'off' "
+                                             r"\(got 'sometimes'\)"),
+        ("engine: {kv_cache_dtype: INT8}", "engine.kv_cache_dtype: Input should be 'auto', 'float32', 'float16' or "
+                                           r"'int8' \(got 'INT8'\)"),
         ("speculation: {policy: table}", "speculation.table: policy 'table' needs the rows"),
         ("speculation: {policy: fixed, table: off}",
          r"speculation.table: only read with policy 'table' \(policy is 'fixed'\)"),

@@ -32,11 +32,12 @@ def text_of(kind_path: str, choice: dict, streamed: bool) -> str:
     return (choice["delta"] if streamed else choice["message"]).get("content") or ""
 
 
-def test_health_and_models(http):
+def test_health_and_models(http, tiny_config):
     health = http.get("/health").json()
     assert health["status"] == "ok" and health["model"] == MODEL_NAME and health["speculative_available"]
     kv = health["kv_cache"]
     assert kv["tokens"] == kv["blocks"] * kv["tokens_per_block"] and 0 <= kv["free_blocks"] <= kv["blocks"]
+    assert kv["dtype"] == ("float32" if tiny_config.engine.kv_cache_dtype == "auto" else tiny_config.engine.kv_cache_dtype)
     from workers.compute_path import check_compute_path_name
 
     assert check_compute_path_name(health["compute_path"]) and health["spec_max_load"] >= 0  # the compute path, its threshold
