@@ -199,7 +199,9 @@ def generate(
                                         "'messages' (chat), optionally 'category'."),
     chat: bool = typer.Option(False, "--chat", help="Apply the chat template to --prompt."),
     max_tokens: int = typer.Option(128, min=1, help="Completion tokens per prompt."),
-    mode: str = typer.Option("spec", help="spec (ReDrafter) or plain decoding."),
+    mode: str = typer.Option("spec", help="spec: ReDrafter, drafting the config's num_beams x draft_len_per_beam "
+                             "every step whatever speculation.policy says (the served 'auto' mode, which leaves "
+                             "each step to the policy, needs `rdserve up`); or plain decoding."),
     temperature: float = typer.Option(0.0, min=0.0, help="0 = greedy."),
     seed: int | None = typer.Option(None, help="Sampling seed."),
     as_json: bool = typer.Option(False, "--json", help="One JSON object per prompt instead of text."),

@@ -18,7 +18,8 @@ APP_NAME = "rdserve"
 INGRESS_NAME = "OpenAIIngress"
 ENGINE_NAME = "EngineReplica"
 
-SERVE_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_worker_niceness": "0", "GOMP_SPINCOUNT": "10000"}
+SERVE_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE": "1",
+             "RAY_worker_niceness": "0", "GOMP_SPINCOUNT": "10000"}
 """Environment rdserve gives Ray (``rdserve up``, where an operator's own value wins; Kubernetes pods;
 the Serve config's ``runtime_env``, which overrides a pod's value for the workers):
 
@@ -26,6 +27,11 @@ the Serve config's ``runtime_env``, which overrides a pod's value for the worker
   event loop instead of a second thread, talks gRPC between proxy and replicas, serves HTTP at the
   ingress replica directly and freezes start-up objects out of the garbage collector; every token of
   a stream crosses fewer threads and processes (``benchmarks/served_vs_engine.py``).
+- ``RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE`` 1: throughput mode otherwise buffers a replica's log
+  records 1,000 at a time (written at ERROR or when full), so ``logs/serve/replica_*.log`` stayed
+  empty while serving: the start-up lines an operator reads (the speculation policy and which field
+  chose it, a calibration not trusted here) appeared only at shutdown. Replicas log about a line
+  per request (Serve's access line), not per token, so each record is written as it comes.
 - ``RAY_worker_niceness`` 0: Ray starts its workers (the engine replicas, the ingress, Serve's proxy)
   at niceness 15 by default, so anything at the default priority, a load generator or a sidecar,
   takes ~28x their CPU share, and even a ``nice -n 19`` loop competes with them as a near equal

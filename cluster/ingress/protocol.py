@@ -282,6 +282,9 @@ class _GenerationRequest(_UnsupportedFields):
             ValidationError: more than one structured-output field, or a value that is not a
                 grammar (bad JSON text, an empty regex or choice), reported on that field.
         """
+        if self.cache_salt and self.rdserve and self.rdserve.cache_salt and self.cache_salt != self.rdserve.cache_salt:
+            raise _field_error("cache_salt", f"{self.cache_salt!r} differs from rdserve.cache_salt "
+                                             f"{self.rdserve.cache_salt!r}; give one of them (or the same value)")
         found = [(name, spec) for name, spec in self._grammar_specs() if spec is not None]
         if len(found) > 1:
             raise _field_error(found[1][0], f"only one structured-output field may be given; {found[0][0]} is too")

@@ -246,3 +246,18 @@ def test_vllm_fields_are_accepted_with_their_off_values():
            "min_p": 0.0, "skip_special_tokens": True, "add_generation_prompt": True, "chat_template_kwargs": {},
            "modalities": ["text"]}
     ChatCompletionRequest.model_validate({**CHAT, **off})
+
+
+def test_two_different_cache_salts_are_refused_naming_the_field():
+    """vLLM's top-level ``cache_salt`` and ``rdserve.cache_salt`` mean the same thing: one of them, or
+    both equal, is taken; two different values are a 400 on ``cache_salt``, not a silent choice."""
+    msgs = [{"role": "user", "content": "hi"}]
+    assert ChatCompletionRequest(messages=msgs, cache_salt="a").sampling_params().cache_salt == "a"
+    assert ChatCompletionRequest(messages=msgs, rdserve={"cache_salt": "b"}).sampling_params().cache_salt == "b"
+    same = ChatCompletionRequest(messages=msgs, cache_salt="a", rdserve={"cache_salt": "a"})
+    assert same.sampling_params().cache_salt == "a"
+    with pytest.raises(ValidationError) as err:
+        ChatCompletionRequest(messages=msgs, cache_salt="a", rdserve={"cache_salt": "b"})
+    assert "cache_salt" in str(err.value) and "'a' differs from rdserve.cache_salt 'b'" in str(err.value)
+    with pytest.raises(ValidationError, match="differs from rdserve.cache_salt"):
+        CompletionRequest(prompt="hi", cache_salt="a", rdserve={"cache_salt": "b"})
