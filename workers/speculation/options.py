@@ -46,7 +46,8 @@ class AutoSettings(_Options):
                                  "bucket is older than this many samples is probed again (within explore_budget); "
                                  "samples older than twice this leave the moving median once it is re-sampled")
     measure_at_start: bool = Field(True, description="when the calibration file was recorded on another compute "
-                                   "path or code version (or records none: older files), time plain and every "
+                                   "path, code version, kv_cache_dtype or thread count (or records none: older "
+                                   "files), time plain and every "
                                    "calibrated shape at start_batch_sizes for a few seconds before serving and start "
                                    "from those step times (logged); false: start from the file's. Live iterations "
                                    "correct either")
