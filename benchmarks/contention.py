@@ -161,6 +161,8 @@ def main() -> None:
                 results["cases"][f"AIPerf, c={c}"] = {"concurrency": c, **aiperf_run(
                     args.aiperf, base_url, model, tokenizer, (rows * (1 + n // len(rows)))[:n], c, n, args.max_tokens,
                     args.aiperf_duration)}
+        # what the adaptive thread policy measured and chose, per size class of step (absent when off)
+        results["threads"] = httpx.get(f"{base_url}/health", timeout=10).json().get("threads")
     finally:
         stop_server(proc)
     cases = results["cases"]

@@ -9,21 +9,45 @@ draft trees, prompt chunks); a batch-1 decode step streams the weights at the me
 and gains little, while a second spinning thread takes the core the HTTP ingress needs.
 
 So the number is measured, not configured: per size class of step (rows in the step, in powers of
-two), a moving average of the step time on each candidate thread count; a step runs on the count
-with the lowest average, more threads winning ties within :attr:`ThreadPolicy.margin` (a step's
-time does not show what its threads cost the rest of the process, and over HTTP preferring fewer
-threads on ties served less at high concurrency; BENCHMARKS.md "Sharing the CPU"). Now and then :attr:`ThreadPolicy.probe_steps` steps of a size class try a neighbouring count, so
-the choice follows the machine as the load on it changes; the wait between probes keeps their cost
-within :attr:`ThreadPolicy.probe_budget` of the class's time (at most
-:attr:`ThreadPolicy.max_probe_interval_s`). After the count changes, steps are not measured (once the
-count has a sample) until one step and :attr:`ThreadPolicy.warmup_s` have passed on it (a step of
-ten times that is measured anyway), and a probe
-lasts until it has one measured step: threads that slept
-wake up and find their caches cold, and in a Serve replica the switch costs more than one short step. Measured there
-(2-core Xeon, batch 1, 2026-12-05): with one unmeasured step, probes of the count not in use read
-1.5-3x its steady step time (2 threads: 10-20 ms probed against 5 ms steady), so whichever count
-ran last stayed chosen, and a burst of slow 2-thread steps left the replica on 1 thread (time per
-output token 7.7-8 ms against 5.5 ms on 2).
+two; each time scaled to the class's smallest row count by :attr:`ThreadPolicy.fixed_rows`), the
+lower quartile of the last :attr:`ThreadPolicy.samples` step times on each candidate thread count; a
+step runs on the count with the lowest, more threads winning ties within :attr:`ThreadPolicy.margin`
+(a step's time does not show what its threads cost the rest of the process, and over HTTP
+preferring fewer threads on ties served less at high concurrency; BENCHMARKS.md "Sharing the CPU").
+Now and then a size class probes a neighbouring count for :attr:`ThreadPolicy.probe_samples` measured
+steps, so the choice follows the machine as the load on it changes. The wait between probes keeps
+their cost within :attr:`ThreadPolicy.probe_budget` of the class's own step time (a prompt-chunk
+class that runs one step in ten is probed ten times less often than one that runs every step).
+Probes of more threads come at least every :attr:`ThreadPolicy.max_probe_interval_s` (a core given
+back is found within seconds); probes of fewer threads come that often only once the best count's
+estimate has risen by more than the margin since the last probe (a core taken), else as the budget
+allows: on a quiet machine they cost nothing more.
+
+After the count changes, a step of the same class is not measured (once the count has a sample)
+until one step and :attr:`ThreadPolicy.warmup_s` have passed on it (a step of ten times that is
+measured anyway): threads that slept wake up and find their caches cold, and in a Serve replica the
+switch costs more than one short step. Measured there (2-core Xeon, batch 1, 2026-12-05): with one
+unmeasured step, probes of the count not in use read 1.5-3x its steady step time (2 threads: 10-20
+ms probed against 5 ms steady), so whichever count ran last stayed chosen, and a burst of slow
+2-thread steps left the replica on 1 thread (time per output token 7.7-8 ms against 5.5 ms on 2).
+A step whose class differs from the previous step's is measured, switch and all: a prompt chunk
+between decode steps on another count pays that switch every time. (Unmeasured, a probe of such a
+class never ended: with 16 concurrent requests and uncached prompts, a 2-core EPYC (Zen 4) replica
+ran 55 of 62 steps of 64-127 rows on 1 thread at 1.3x their time on 2, and served 0.90x the tokens/s
+of 2 threads always; BENCHMARKS.md section 21.)
+
+Why a low quantile of a few recent steps and probes of several: a
+served replica's steps have outliers that have nothing to do with their thread count, and they land
+on whichever count is in use: a preemption by one of Ray's threads, and as one request ends and the
+next arrives, a few steps on 2 threads at 3x while the ingress takes a core (20-65 ms against 6 ms;
+1 thread, which leaves a core free, sees 1.2x). With a moving average (weight 0.25 per step) each
+outlier moved the count in use by a quarter of its size, past the stale figure of the count not in
+use, and a one-step probe moved that stale figure only a quarter of the way back: a 2-core EPYC
+(Zen 3) replica at batch 1 ran 66% of its steps on 1 thread (median 8.2 ms) against 6.5 ms on 2
+(2026-12-07, BENCHMARKS.md section 21). The lower quartile moves only when most recent steps do
+(a core taken for good slows them all), and a probe's figure is all fresh. When the machine slows
+for both counts, the count in use falls behind the other's older figure and the steps moved there
+replace it within a few steps.
 
 Kernels give the same bits on any thread count (tests/workers/kernels), so the choice changes only
 speed, never output.
@@ -32,12 +56,13 @@ speed, never output.
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass, field
 
 
-MAX_PROBE_STEPS = 1000
-"""A safety bound on one probe's steps; a probe ends at its first measured step, one step and
-``warmup_s`` after it starts."""
+MAX_PROBE_STEPS = 16
+"""A bound on one probe's steps of its class; a probe ends at its ``probe_samples``-th measured step
+(its first comes one step and ``warmup_s`` after it starts) or after this many steps."""
 
 
 def candidate_counts(max_threads: int) -> list[int]:
@@ -63,46 +88,59 @@ class ThreadPolicy:
     max_threads: the most threads a step may run on (the engine's ``num_threads``).
     probe_interval_s: shortest wait (seconds of wall time) between two probes of one size class; a
         probe tries a neighbour of the best count (the next larger first, then the next smaller).
-    probe_steps: steps of one probe as its cost is estimated (at least; a probe runs until its
-        first measured step, so longer where steps are short against ``warmup_s``).
+    fixed_rows: a step's cost taken as proportional to ``fixed_rows + rows`` (the weights streamed
+        once per step, about this many rows' compute), so that steps of different sizes in one
+        class compare: each time is scaled to the class's smallest row count.
+    samples: step times kept per size class and count; their lower quartile is the count's estimate
+        (slow steps must fill three quarters of them to move it).
+    probe_samples: the measured steps of one probe (fewer, down to one, where they would cost more
+        than ``probe_budget`` of ``max_probe_interval_s``); a probe's steps replace the count's older ones.
     warmup_s: after a change of count, steps are measured once one step and this much step time
         (seconds) have passed on the new count.
     probe_budget: the fraction of a size class's time that probing a slower count may cost: the wait
         before the next probe is at least what the last one cost over this (so a slow count on long
-        steps is probed rarely), at most ``max_probe_interval_s`` (so a count that was slow under
-        contention is found again within seconds once the machine is quiet).
-    alpha: weight of the newest step time in each moving average.
+        steps is probed rarely). Probes of more threads wait at most ``max_probe_interval_s`` (a
+        count that was slow under contention is found again within seconds once the machine is
+        quiet); probes of fewer threads wait that little only once the best count's estimate has
+        risen by more than ``margin`` since the last probe (the machine changed), else the budget's
+        whole wait.
     margin: more threads are kept unless fewer are at least this fraction faster.
     """
 
     max_threads: int
     probe_interval_s: float = 1.0
-    probe_steps: int = 6
+    fixed_rows: int = 64
+    samples: int = 9
+    probe_samples: int = 5
     warmup_s: float = 0.02
     probe_budget: float = 0.02
     max_probe_interval_s: float = 10.0
-    alpha: float = 0.25
     margin: float = 0.15
-    _step_s: dict[tuple[int, int], float] = field(default_factory=dict)
-    _next_probe: dict[int, float] = field(default_factory=dict)
-    _probe_turn: dict[int, int] = field(default_factory=dict)
-    _probing: dict[int, tuple[int, int]] = field(default_factory=dict)  # class -> (count, steps left)
+    _step_s: dict[tuple[int, int], deque] = field(default_factory=dict)  # the last `samples` step times
+    _steps: dict[tuple[int, int], int] = field(default_factory=dict)  # steps run, per (class, count)
+    _next_probe: dict[tuple[int, int], tuple[float, float, float]] = field(default_factory=dict)  # (class,
+    # count) -> when a probe is due: (class step time, wall time if more threads or the best count's estimate
+    # rose by more than margin, earliest wall time)
+    _class_s: dict[int, float] = field(default_factory=dict)  # step time run per class (seconds)
+    _ref: dict[tuple[int, int], float] = field(default_factory=dict)  # best count's estimate at the last probe
+    _probing: dict[int, list[int]] = field(default_factory=dict)  # class -> [count, steps left, samples left, samples]
     _last: int | None = None  # the count of the previous step
+    _last_class: int | None = None  # its size class
     _since_switch: int = 0  # steps run on _last since the count changed
     _switch_s: float = 0.0  # their step time (seconds)
 
     def __post_init__(self):
         if self.max_threads < 1:
             raise ValueError(f"max_threads must be >= 1, got {self.max_threads}")
-        if self.probe_steps < 2 or not 0 <= self.warmup_s < math.inf:
-            raise ValueError(f"probe_steps must be >= 2 and warmup_s finite and >= 0, got {self.probe_steps}, "
-                             f"{self.warmup_s}")
+        if not 1 <= self.probe_samples <= self.samples or not 0 <= self.warmup_s < math.inf:
+            raise ValueError(f"1 <= probe_samples <= samples and warmup_s finite and >= 0 are required, got "
+                             f"{self.probe_samples}, {self.samples}, {self.warmup_s}")
         self.counts = candidate_counts(self.max_threads)
 
     def best(self, rows: int) -> int | None:
         """The measured best count for steps of ``rows`` rows, None while some count is unmeasured."""
         c = size_class(rows)
-        times = [self._step_s.get((c, t)) for t in self.counts]
+        times = [self._estimate(c, t) for t in self.counts]
         if any(s is None for s in times):
             return None
         best = min(range(len(times)), key=times.__getitem__)
@@ -111,6 +149,11 @@ class ThreadPolicy:
                 return self.counts[i]
         return self.counts[best]
 
+    def _estimate(self, c: int, t: int) -> float | None:
+        """The lower quartile of the class's last step times on ``t`` threads (seconds), None if none."""
+        times = self._step_s.get((c, t))
+        return sorted(times)[len(times) // 4] if times else None
+
     def choose(self, rows: int, now: float) -> int:
         """Threads for the next step of ``rows`` rows at time ``now`` (seconds, monotonic)."""
         c = size_class(rows)
@@ -118,55 +161,93 @@ class ThreadPolicy:
             if (c, t) not in self._step_s:
                 return t
         if c in self._probing:
-            probe, left = self._probing[c]
-            if left > 1:
-                self._probing[c] = (probe, left - 1)
-            else:
+            probing = self._probing[c]
+            probing[1] -= 1
+            if probing[1] <= 0:  # the safety bound
                 del self._probing[c]
-            return probe
+            return probing[0]
         best = self.best(rows)
-        if now < self._next_probe.setdefault(c, now + self.probe_interval_s) or len(self.counts) == 1:
+        if len(self.counts) == 1:
             return best
+        est = self._estimate(c, best)
+        drifted = est > self._ref.setdefault((c, best), est) * (1 + self.margin)
         i = self.counts.index(best)  # probe the neighbours of the best count, the larger first
         others = [self.counts[j] for j in (i + 1, i - 1) if 0 <= j < len(self.counts)]
-        turn = self._probe_turn.get(c, 0) % len(others)
-        self._probe_turn[c] = turn + 1
-        probe = others[turn]
-        # a probe runs until its first measured step, which comes once its warm-up has passed (on
-        # short steps, more than probe_steps steps); its expected cost decides the wait till the next
-        sp, sb = self._step_s[c, probe], self._step_s[c, best]
-        probe_s = max(self.probe_steps * sp, self.warmup_s + 2 * sp)
-        extra_s = probe_s * max(sp - sb, 0.0) / sp
-        wait_s = min(max(self.probe_interval_s, extra_s / self.probe_budget), self.max_probe_interval_s)
-        self._next_probe[c] = now + wait_s
-        self._probing[c] = (probe, MAX_PROBE_STEPS - 1)
+        spent = self._class_s.get(c, 0.0)
+        for probe in others:
+            # when a probe is due: after this much of the class's own step time (the budget's wait),
+            # or this wall time (the capped wait, for more threads or once the best count drifted)
+            due_s, due_wall, earliest = self._next_probe.setdefault((c, probe), (spent, *(now + self.probe_interval_s,) * 2))
+            if now >= due_wall if (probe > best or drifted) else (spent >= due_s and now >= earliest):
+                break
+        else:
+            return best
+        self._ref[c, best] = est
+        # A probe runs until its n-th measured step, its first once its warm-up has passed (one step
+        # and warmup_s); its expected cost decides the wait till the next. It measures probe_samples
+        # steps, fewer where the slower count's extra time over them would exceed the budget of the
+        # longest wait (long steps: prompt chunks on a count that is slower)
+        sp = self._estimate(c, probe)
+        over = max(sp - est, 0.0)
+        n = self.probe_samples if over == 0 else max(1, min(self.probe_samples, int(
+            self.probe_budget * self.max_probe_interval_s / over)))
+        probe_s = max(self.warmup_s, sp) + (n + 1) * sp
+        wait_s = probe_s * over / sp / self.probe_budget  # of the class's step time
+        self._next_probe[c, probe] = (spent + wait_s, now + min(max(self.probe_interval_s, wait_s),
+                                                                self.max_probe_interval_s), now + self.probe_interval_s)
+        self._probing[c] = [probe, MAX_PROBE_STEPS - 1, n, n]
         return probe
 
     def observe(self, rows: int, threads: int, step_s: float) -> None:
         """Record that a step of ``rows`` rows on ``threads`` threads took ``step_s`` seconds (not
         counted while the count is warming up after a change, see the module docstring)."""
+        c = size_class(rows)
         if threads != self._last:
             self._since_switch, self._switch_s = 0, 0.0
-        # a step ten warm-ups long outweighs the switch's cost and is measured anyway (a prompt chunk
-        # between decode steps on another count would otherwise never be)
-        switched = step_s < 10 * self.warmup_s and (self._since_switch < 1 or self._switch_s < self.warmup_s)
-        self._last = threads
+        # A step ten warm-ups long outweighs the switch's cost and is measured anyway. A step whose
+        # class differs from the previous step's pays the switch every time it runs between steps of
+        # other classes on another count (a prompt chunk among decode steps): measured too, switch
+        # and all (a probe of such a class measured nothing and ran on the probed count until its
+        # bound: 2-core EPYC Zen 4 served, 16 concurrent prompts uncached, 2026-12-07)
+        switched = step_s < 10 * self.warmup_s and c == self._last_class and (
+            self._since_switch < 1 or self._switch_s < self.warmup_s)
+        self._last, self._last_class = threads, c
         self._since_switch += 1
         if math.isfinite(step_s) and step_s > 0:
             self._switch_s += step_s
         if threads not in self.counts or not math.isfinite(step_s) or step_s <= 0:
             return
-        key = (size_class(rows), threads)
-        old = self._step_s.get(key)
-        if switched and old is not None:  # a cold step; the first sample of a count is taken anyway,
+        key = (c, threads)
+        self._steps[key] = self._steps.get(key, 0) + 1
+        self._class_s[c] = self._class_s.get(c, 0.0) + step_s
+        lo = 1 << (key[0] - 1)  # the class's smallest row count
+        step_s *= (self.fixed_rows + lo) / (self.fixed_rows + max(rows, 1))
+        times = self._step_s.get(key)
+        if switched and times:  # a cold step; the first sample of a count is taken anyway,
             return  # or a class that always follows another count's steps would never be measured
-        self._step_s[key] = step_s if old is None else (1 - self.alpha) * old + self.alpha * step_s
-        if self._probing.get(key[0], (None,))[0] == threads:  # the probe has its sample
-            del self._probing[key[0]]
+        if times is None:
+            times = self._step_s[key] = deque(maxlen=self.samples)
+        probing = self._probing.get(key[0])
+        if probing and probing[0] == threads and probing[2] == probing[3]:
+            times.clear()  # the probe's first measured step: the count's estimate is the probe's alone
+        times.append(step_s)
+        if probing and probing[0] == threads:  # one more of the probe's samples
+            probing[2] -= 1
+            if probing[2] <= 0:
+                del self._probing[key[0]]
 
-    def stats(self) -> dict[str, dict[int, float]]:
-        """``{"rows<2^c": {threads: mean step ms}}`` for logs and tests."""
-        out: dict[str, dict[int, float]] = {}
-        for (c, t), s in sorted(self._step_s.items()):
-            out.setdefault(f"rows<{2 ** c}", {})[t] = round(s * 1e3, 3)
-        return out
+    def stats(self) -> dict[str, dict[int, dict[str, float]]]:
+        """``{"rows<2^c": {threads: {"ms": step ms (lower quartile of the recent steps, scaled to the
+        class's smallest row count), "steps": steps run}}}`` for ``/health`` and tests. Safe to call from another thread than the engine's (a
+        snapshot taken while a step is recorded is retried)."""
+        for _ in range(10):
+            try:
+                keys = sorted(list(self._step_s))
+                out: dict[str, dict[int, dict[str, float]]] = {}
+                for (c, t) in keys:
+                    out.setdefault(f"rows<{2 ** c}", {})[t] = {
+                        "ms": round(self._estimate(c, t) * 1e3, 3), "steps": self._steps.get((c, t), 0)}
+                return out
+            except RuntimeError:  # the engine thread changed a dict or deque while we read it
+                continue
+        return {}

@@ -94,8 +94,9 @@ class EngineReplica:
         return {k: v for k, v in stats.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
     def stats(self) -> dict:
-        """``load`` (requests held: decoding or queued), ``speculative_available``, and the paged KV
-        cache's size and free blocks."""
+        """``load`` (requests held: decoding or queued), ``speculative_available``, the paged KV
+        cache's size and free blocks, and with adaptive threads, ``threads``: per size class of step,
+        each thread count's step time and steps run (:meth:`workers.thread_policy.ThreadPolicy.stats`)."""
         snap = self.engine.snapshot()
         kv = snap.kv_size
         return {"load": self.load, "speculative_available": self.engine.speculative_available,
@@ -104,6 +105,7 @@ class EngineReplica:
                 "kv_cache": {"blocks": kv.num_blocks, "tokens_per_block": kv.block_size, "tokens": kv.num_tokens,
                              "mib": round(kv.mib, 1), "dtype": kv.dtype, "free_blocks": snap.free_blocks,
                              "cached_blocks": snap.cached_blocks},
+                **({"threads": policy.stats()} if (policy := self.engine.thread_policy) else {}),
                 **({"failure": str(failure)} if (failure := snap.failure or self.async_engine.failure)
                    else {})}
 

@@ -48,3 +48,6 @@ def test_contention_smoke_serves_every_case_from_fairly_scheduled_processes(tiny
     assert all(p["nice"] == 0 and p["GOMP_SPINCOUNT"] == SERVE_ENV["GOMP_SPINCOUNT"] for p in processes), processes
     assert "busy loop / quiet (batch 1; target >= 0.5)" in report["ratios"]
     assert report["compute_path"] and report["cpu"]
+    if not report["compute_path"].endswith("-torch"):  # rdserve's kernels: adaptive threads on, shown in /health
+        batch1 = report["threads"]["rows<2"]  # batch-1 decode steps: both counts measured, each step counted
+        assert set(batch1) == {"1", "2"} and all(v["ms"] > 0 and v["steps"] >= 1 for v in batch1.values()), batch1
