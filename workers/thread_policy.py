@@ -60,11 +60,6 @@ from collections import deque
 from dataclasses import dataclass, field
 
 
-MAX_PROBE_STEPS = 16
-"""A bound on one probe's steps of its class; a probe ends at its ``probe_samples``-th measured step
-(its first comes one step and ``warmup_s`` after it starts) or after this many steps."""
-
-
 def candidate_counts(max_threads: int) -> list[int]:
     """Thread counts worth trying: 1, powers of two below ``max_threads``, and ``max_threads``."""
     counts = {1, max_threads}
@@ -123,7 +118,7 @@ class ThreadPolicy:
     # rose by more than margin, earliest wall time)
     _class_s: dict[int, float] = field(default_factory=dict)  # step time run per class (seconds)
     _ref: dict[tuple[int, int], float] = field(default_factory=dict)  # best count's estimate at the last probe
-    _probing: dict[int, list[int]] = field(default_factory=dict)  # class -> [count, steps left, samples left, samples]
+    _probing: dict[int, list[int]] = field(default_factory=dict)  # class -> [count, samples left, samples]
     _last: int | None = None  # the count of the previous step
     _last_class: int | None = None  # its size class
     _since_switch: int = 0  # steps run on _last since the count changed
@@ -161,11 +156,7 @@ class ThreadPolicy:
             if (c, t) not in self._step_s:
                 return t
         if c in self._probing:
-            probing = self._probing[c]
-            probing[1] -= 1
-            if probing[1] <= 0:  # the safety bound
-                del self._probing[c]
-            return probing[0]
+            return self._probing[c][0]
         best = self.best(rows)
         if len(self.counts) == 1:
             return best
@@ -195,7 +186,7 @@ class ThreadPolicy:
         wait_s = probe_s * over / sp / self.probe_budget  # of the class's step time
         self._next_probe[c, probe] = (spent + wait_s, now + min(max(self.probe_interval_s, wait_s),
                                                                 self.max_probe_interval_s), now + self.probe_interval_s)
-        self._probing[c] = [probe, MAX_PROBE_STEPS - 1, n, n]
+        self._probing[c] = [probe, n, n]
         return probe
 
     def observe(self, rows: int, threads: int, step_s: float) -> None:
@@ -208,7 +199,8 @@ class ThreadPolicy:
         # class differs from the previous step's pays the switch every time it runs between steps of
         # other classes on another count (a prompt chunk among decode steps): measured too, switch
         # and all (a probe of such a class measured nothing and ran on the probed count until its
-        # bound: 2-core EPYC Zen 4 served, 16 concurrent prompts uncached, 2026-12-07)
+        # bound of 1,000 steps: 2-core EPYC Zen 4 served, 16 concurrent prompts uncached, 2026-12-07).
+        # Every step after the warm-up is measured, so a probe ends after its warm-up and samples.
         switched = step_s < 10 * self.warmup_s and c == self._last_class and (
             self._since_switch < 1 or self._switch_s < self.warmup_s)
         self._last, self._last_class = threads, c
@@ -216,6 +208,7 @@ class ThreadPolicy:
         if math.isfinite(step_s) and step_s > 0:
             self._switch_s += step_s
         if threads not in self.counts or not math.isfinite(step_s) or step_s <= 0:
+            self._probing.pop(c, None)  # a probe ends without its samples rather than run on
             return
         key = (c, threads)
         self._steps[key] = self._steps.get(key, 0) + 1
@@ -228,12 +221,12 @@ class ThreadPolicy:
         if times is None:
             times = self._step_s[key] = deque(maxlen=self.samples)
         probing = self._probing.get(key[0])
-        if probing and probing[0] == threads and probing[2] == probing[3]:
+        if probing and probing[0] == threads and probing[1] == probing[2]:
             times.clear()  # the probe's first measured step: the count's estimate is the probe's alone
         times.append(step_s)
         if probing and probing[0] == threads:  # one more of the probe's samples
-            probing[2] -= 1
-            if probing[2] <= 0:
+            probing[1] -= 1
+            if probing[1] <= 0:
                 del self._probing[key[0]]
 
     def stats(self) -> dict[str, dict[int, dict[str, float]]]:

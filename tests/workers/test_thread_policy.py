@@ -154,15 +154,18 @@ def test_a_switch_that_costs_several_steps_does_not_pin_the_last_count():
     assert chosen[-2000:].count(2) >= 1900 and policy.best(1) == 2
 
 
-def test_short_steps_still_measure_their_probes():
+@pytest.mark.parametrize("scale", [1.0, 0.25])
+def test_short_steps_still_measure_their_probes(scale):
     """Steps of 2-12 ms, the first after a switch 3x: when the load changes so that 1 thread becomes
     the fastest (2 ms against 6 and 12), probes of it must be measured although 6 of its steps do
     not add up to the warm-up, and the policy must move there. (Found by review: with probes of a
-    fixed 6 steps, no probe step was ever measured and the policy stayed on 4 threads.)"""
+    fixed 6 steps, no probe step was ever measured and the policy stayed on 4 threads.) At a quarter
+    of those times (0.5 ms steps: 40 of them warm a count up) a probe still lasts past its warm-up."""
     policy = ThreadPolicy(4, probe_interval_s=0.2)
     now, last, since, chosen = 0.0, None, 0, []
     for i in range(30000):
-        steady = {1: 0.008, 2: 0.0045, 4: 0.0026} if i < 5000 else {1: 0.002, 2: 0.006, 4: 0.012}
+        steady = {t: v * scale for t, v in ({1: 0.008, 2: 0.0045, 4: 0.0026} if i < 5000 else
+                                            {1: 0.002, 2: 0.006, 4: 0.012}).items()}
         t = policy.choose(1, now)
         since = since + 1 if t == last else 0
         last = t
