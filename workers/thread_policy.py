@@ -19,9 +19,10 @@ steps, so the choice follows the machine as the load on it changes. The wait bet
 their cost within :attr:`ThreadPolicy.probe_budget` of the class's own step time (a prompt-chunk
 class that runs one step in ten is probed ten times less often than one that runs every step).
 Probes of more threads come at least every :attr:`ThreadPolicy.max_probe_interval_s` (a core given
-back is found within seconds); probes of fewer threads come that often only once the best count's
-estimate has risen by more than the margin since the last probe (a core taken), else as the budget
-allows: on a quiet machine they cost nothing more.
+back is found within seconds); probes of fewer threads come that often only once the best count has
+drifted (its estimate up by more than the margin since the last probe, or its last 3 steps at twice
+that figure: a core taken), else as the budget allows, so on a quiet machine they cost nothing more.
+Those quicker probes still cost at most :attr:`ThreadPolicy.fast_probe_budget` of the class's time.
 
 After the count changes, a step of the same class is not measured (once the count has a sample)
 until one step and :attr:`ThreadPolicy.warmup_s` have passed on it (a step of ten times that is
@@ -99,6 +100,8 @@ class ThreadPolicy:
         quiet); probes of fewer threads wait that little only once the best count's estimate has
         risen by more than ``margin`` since the last probe (the machine changed), else the budget's
         whole wait.
+    fast_probe_budget: what those quicker probes may cost at most, as a fraction of the class's
+        step time (a class that runs once a minute is not probed every 10 s).
     margin: more threads are kept unless fewer are at least this fraction faster.
     """
 
@@ -109,13 +112,13 @@ class ThreadPolicy:
     probe_samples: int = 5
     warmup_s: float = 0.02
     probe_budget: float = 0.02
+    fast_probe_budget: float = 0.1
     max_probe_interval_s: float = 10.0
     margin: float = 0.15
     _step_s: dict[tuple[int, int], deque] = field(default_factory=dict)  # the last `samples` step times
     _steps: dict[tuple[int, int], int] = field(default_factory=dict)  # steps run, per (class, count)
-    _next_probe: dict[tuple[int, int], tuple[float, float, float]] = field(default_factory=dict)  # (class,
-    # count) -> when a probe is due: (class step time, wall time if more threads or the best count's estimate
-    # rose by more than margin, earliest wall time)
+    _next_probe: dict[tuple[int, int], tuple[float, float, float, float]] = field(default_factory=dict)
+    # (class, count) -> when a probe is due (see choose)
     _class_s: dict[int, float] = field(default_factory=dict)  # step time run per class (seconds)
     _ref: dict[tuple[int, int], float] = field(default_factory=dict)  # best count's estimate at the last probe
     _probing: dict[int, list[int]] = field(default_factory=dict)  # class -> [count, samples left, samples]
@@ -146,8 +149,8 @@ class ThreadPolicy:
 
     def _estimate(self, c: int, t: int) -> float | None:
         """The lower quartile of the class's last step times on ``t`` threads (seconds), None if none."""
-        times = self._step_s.get((c, t))
-        return sorted(times)[len(times) // 4] if times else None
+        times = sorted(self._step_s.get((c, t), ()))
+        return times[len(times) // 4] if times else None
 
     def choose(self, rows: int, now: float) -> int:
         """Threads for the next step of ``rows`` rows at time ``now`` (seconds, monotonic)."""
@@ -161,15 +164,23 @@ class ThreadPolicy:
         if len(self.counts) == 1:
             return best
         est = self._estimate(c, best)
-        drifted = est > self._ref.setdefault((c, best), est) * (1 + self.margin)
+        ref = self._ref.setdefault((c, best), est)
+        recent = self._step_s[c, best]
+        # the machine changed: the estimate rose by the margin, or the last 3 steps all took twice
+        # the reference (a core taken: the lower quartile moves only after 7 slow steps of 9)
+        drifted = est > ref * (1 + self.margin) or (len(recent) >= 3 and min(list(recent)[-3:]) > 2 * ref)
         i = self.counts.index(best)  # probe the neighbours of the best count, the larger first
         others = [self.counts[j] for j in (i + 1, i - 1) if 0 <= j < len(self.counts)]
         spent = self._class_s.get(c, 0.0)
         for probe in others:
-            # when a probe is due: after this much of the class's own step time (the budget's wait),
-            # or this wall time (the capped wait, for more threads or once the best count drifted)
-            due_s, due_wall, earliest = self._next_probe.setdefault((c, probe), (spent, *(now + self.probe_interval_s,) * 2))
-            if now >= due_wall if (probe > best or drifted) else (spent >= due_s and now >= earliest):
+            # When a probe is due: (class step time for the budget's wait, class step time for the
+            # fast budget's wait, wall time for the capped wait, earliest wall time). Probes of more
+            # threads, and of fewer once the best count drifted, wait the capped time and the fast
+            # budget's; others the budget's.
+            due_s, due_fast_s, due_wall, earliest = self._next_probe.setdefault(
+                (c, probe), (spent, spent, *(now + self.probe_interval_s,) * 2))
+            fast = probe > best or drifted
+            if (now >= due_wall and spent >= due_fast_s) if fast else (spent >= due_s and now >= earliest):
                 break
         else:
             return best
@@ -177,15 +188,18 @@ class ThreadPolicy:
         # A probe runs until its n-th measured step, its first once its warm-up has passed (one step
         # and warmup_s); its expected cost decides the wait till the next. It measures probe_samples
         # steps, fewer where the slower count's extra time over them would exceed the budget of the
-        # longest wait (long steps: prompt chunks on a count that is slower)
+        # longest wait (long steps: prompt chunks on a count that is slower). Fewer threads within
+        # the margin are taken to cost the margin (what their step time does not show).
         sp = self._estimate(c, probe)
-        over = max(sp - est, 0.0)
+        over = max(sp - est, self.margin * est if probe < best else 0.0)
         n = self.probe_samples if over == 0 else max(1, min(self.probe_samples, int(
             self.probe_budget * self.max_probe_interval_s / over)))
         probe_s = max(self.warmup_s, sp) + (n + 1) * sp
         wait_s = probe_s * over / sp / self.probe_budget  # of the class's step time
-        self._next_probe[c, probe] = (spent + wait_s, now + min(max(self.probe_interval_s, wait_s),
-                                                                self.max_probe_interval_s), now + self.probe_interval_s)
+        self._next_probe[c, probe] = (
+            spent + wait_s, spent + wait_s * self.probe_budget / self.fast_probe_budget,
+            now + probe_s + min(max(self.probe_interval_s, wait_s), self.max_probe_interval_s),
+            now + self.probe_interval_s)
         self._probing[c] = [probe, n, n]
         return probe
 
@@ -218,12 +232,13 @@ class ThreadPolicy:
         times = self._step_s.get(key)
         if switched and times:  # a cold step; the first sample of a count is taken anyway,
             return  # or a class that always follows another count's steps would never be measured
-        if times is None:
-            times = self._step_s[key] = deque(maxlen=self.samples)
         probing = self._probing.get(key[0])
-        if probing and probing[0] == threads and probing[1] == probing[2]:
-            times.clear()  # the probe's first measured step: the count's estimate is the probe's alone
-        times.append(step_s)
+        # the probe's first measured step: the count's estimate is the probe's alone. A deque is
+        # put in place already holding its sample (stats() may read it from another thread)
+        if times is None or (probing and probing[0] == threads and probing[1] == probing[2]):
+            self._step_s[key] = deque([step_s], maxlen=self.samples)
+        else:
+            times.append(step_s)
         if probing and probing[0] == threads:  # one more of the probe's samples
             probing[1] -= 1
             if probing[1] <= 0:

@@ -255,3 +255,58 @@ def test_no_probes_of_fewer_threads_on_a_quiet_machine_beyond_the_budget():
     chosen = run(policy, {1: 0.500, 2: 0.200}, 1500, rows=400, dt=0.2)  # five minutes of prompt chunks
     extra = chosen[2:].count(1) * (0.500 - 0.200)
     assert extra <= 0.025 * len(chosen[2:]) * 0.200, chosen[2:].count(1)
+
+
+@pytest.mark.parametrize("period_s", [1.0, 10.0])
+def test_a_rare_class_finds_fewer_threads_when_a_core_is_taken(period_s):
+    """A core taken for good, 2 threads: a prompt chunk every ``period_s`` among decode steps runs
+    faster on 1 thread (0.10 s against 0.13). Probes of 2 threads are paid from the class's own time:
+    when they waited only a 10 s wall clock, a chunk every 10 s ran on 2 threads every time (found by
+    review)."""
+    policy = ThreadPolicy(2)
+    now, last, nxt, chunks = 0.0, None, 0.0, []
+    while now < 1800:
+        rows = 400 if now >= nxt else 1
+        nxt = now + period_s if rows == 400 else nxt
+        t = policy.choose(rows, now)
+        step = ({1: 0.10, 2: 0.13} if rows == 400 else {1: 0.010, 2: 0.030})[t] * (1.2 if t != last else 1.0)
+        policy.observe(rows, t, step)
+        if rows == 400 and now > 60:
+            chunks.append(t)
+        last, now = t, now + step
+    assert chunks.count(2) <= 0.3 * len(chunks), (chunks.count(2), len(chunks))
+
+
+def test_stats_can_be_read_while_the_engine_thread_observes():
+    """``/health`` reads stats() on the event loop while the engine thread records steps: new keys and
+    probes replacing a count's samples must never show an empty or half-made entry (found by review:
+    TypeError and IndexError from a deque created empty, or cleared, before its sample)."""
+    import sys
+    import threading
+
+    policy = ThreadPolicy(16, probe_interval_s=0.0, max_probe_interval_s=0.0)
+    stop, errors, interval = threading.Event(), [], sys.getswitchinterval()
+
+    def engine():
+        now, i = 0.0, 0
+        while not stop.is_set():
+            rows = 1 << (i % 20)
+            t = policy.choose(rows, now)
+            policy.observe(rows, t, 0.001 * (1 + (i * 7919) % 13))
+            now, i = now + 0.5, i + 1
+
+    sys.setswitchinterval(1e-6)
+    thread = threading.Thread(target=engine)
+    thread.start()
+    try:
+        for _ in range(5000):
+            try:
+                for by_count in policy.stats().values():
+                    assert all(v["ms"] > 0 and v["steps"] >= 1 for v in by_count.values()), by_count
+            except Exception as e:  # noqa: BLE001 - any exception is the failure
+                errors.append(repr(e))
+    finally:
+        stop.set()
+        thread.join()
+        sys.setswitchinterval(interval)
+    assert not errors, errors[:3]
