@@ -91,15 +91,15 @@ class ThreadPolicy:
         (slow steps must fill three quarters of them to move it).
     probe_samples: the measured steps of one probe (fewer, down to one, where they would cost more
         than ``probe_budget`` of ``max_probe_interval_s``); a probe's steps replace the count's older ones.
-    warmup_s: after a change of count, steps are measured once one step and this much step time
-        (seconds) have passed on the new count.
+    warmup_s: after a change of count, steps of the class that ran last are measured once one step
+        and this much step time (seconds) have passed on the new count.
     probe_budget: the fraction of a size class's time that probing a slower count may cost: the wait
         before the next probe is at least what the last one cost over this (so a slow count on long
         steps is probed rarely). Probes of more threads wait at most ``max_probe_interval_s`` (a
         count that was slow under contention is found again within seconds once the machine is
-        quiet); probes of fewer threads wait that little only once the best count's estimate has
-        risen by more than ``margin`` since the last probe (the machine changed), else the budget's
-        whole wait.
+        quiet); probes of fewer threads wait that little only once the best count has drifted (its
+        estimate up by more than ``margin`` since the last probe, or its last 3 steps at twice that
+        figure: the machine changed), else the budget's whole wait.
     fast_probe_budget: what those quicker probes may cost at most, as a fraction of the class's
         step time (a class that runs once a minute is not probed every 10 s).
     margin: more threads are kept unless fewer are at least this fraction faster.
