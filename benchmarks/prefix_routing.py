@@ -16,7 +16,9 @@ turns >= 2 served by the replica that served the conversation's previous turn. `
 pause between turns: without it a conversation's next turn arrives the moment its answer ends, when the
 replica that served it has just freed a slot, so a shortest-queue router (pow2) sends it back there. Per concurrency: TTFT
 p50 and tokens/s of each goodput router against pow2's (targets: goodput+prefix TTFT p50 <= 0.6x,
-tokens/s >= 1.0x). Prints Markdown tables naming the CPU and compute path; writes JSON with the command.
+tokens/s >= 1.0x). A third table sets each router's prefill per turn >= 2 against the fewest tokens
+any router prefilled for the same turn: what a router that always found the conversation's replica
+could still save. Prints Markdown tables naming the CPU and compute path; writes JSON with the command.
 
 On a machine with few cores set ``engine.num_threads`` so the two replicas do not oversubscribe them
 (``--threads``; default: cores / 2).
@@ -32,12 +34,14 @@ Usage:
         --think-s 3 --system-prompt default --out benchmarks/results/prefix_routing_own  # little shared prefix
     python benchmarks/prefix_routing.py --num-conversations 2 --min-turns 3 --max-turns 3 \\
         --concurrency 2 --max-tokens 8 --out /tmp/prefix_routing_smoke          # a quick check
+    python benchmarks/prefix_routing.py --from-json benchmarks/results/zen4/prefix_routing.json  # a saved run's tables
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import tempfile
 from pathlib import Path
@@ -87,6 +91,39 @@ def affinity(records: list[dict]) -> float | None:
     return sum(a == b and a is not None for a, b in pairs) / len(pairs) if pairs else None
 
 
+def uncached_turn2plus(records: list[dict]) -> dict[tuple[int, int], int]:
+    """Prompt tokens prefilled (``prompt_tokens - cached_tokens`` from ``usage``) per (conversation, turn)
+    for turns >= 2, the turns whose history a replica can hold."""
+    out = {}
+    for r in records:
+        usage = r.get("usage") or {}
+        if r["turn"] >= 2 and "prompt_tokens" in usage:
+            cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+            out[(r["conversation"], r["turn"])] = usage["prompt_tokens"] - cached
+    return out
+
+
+def prefill_headroom(results: dict, levels: list[int]) -> dict:
+    """What any router could still save on this traffic: per (router, concurrency), the prompt tokens
+    prefilled per turn >= 2, against the fewest any of the routers prefilled for the same
+    (conversation, turn) at that concurrency (a replica that held the whole conversation: its new
+    user turn and what its last block left). ``headroom`` is the share of a router's prefill that a
+    router matching that best case on every turn would save."""
+    out = {}
+    for c in levels:
+        per_router = {router: uncached_turn2plus(results["levels"][f"{router} c={c}"]["records"]) for router in ROUTERS}
+        keys = set.intersection(*(set(u) for u in per_router.values()))
+        if not keys:
+            continue
+        best = {k: min(u[k] for u in per_router.values()) for k in keys}
+        best_mean = sum(best.values()) / len(keys)
+        for router, u in per_router.items():
+            mean = sum(u[k] for k in keys) / len(keys)
+            out[f"{router} c={c}"] = {"turns": len(keys), "uncached_per_turn": mean, "fewest_per_turn": best_mean,
+                                      "headroom": 1 - best_mean / mean if mean else 0.0}
+    return out
+
+
 def serve_level(config: Path, router: str, convs: list[dict], concurrency: int, model: str, tmp: Path,
                 args) -> dict:
     path, port = router_config(config, router, args.threads, tmp, args.num_kv_blocks)
@@ -133,6 +170,18 @@ def report(args, results: dict, levels: list[int]) -> str:
             target = router == "goodput+prefix"
             lines.append(f"| {c} | {router} | {fmt(cmp['ttft_p50_ratio'], '.2f')}x | {'<= 0.6x' if target else '-'} | "
                          f"{fmt(cmp['tokens_per_s_ratio'], '.2f')}x | {'>= 1.0x' if target else '-'} |")
+    headroom = results.get("prefill_headroom") or {}
+    if headroom:
+        lines += ["", "Prefill per turn >= 2 against the fewest tokens any router prefilled for the same turn "
+                  "(what a router that always found the conversation's replica could still save):", "",
+                  "| concurrency | router | uncached prompt tokens per turn | fewest any router reached | "
+                  "prefill a perfect router would save |", "|---|---|---|---|---|"]
+        for c in levels:
+            for router in ROUTERS:
+                h = headroom.get(f"{router} c={c}")
+                if h:
+                    lines.append(f"| {c} | {router} | {h['uncached_per_turn']:.0f} | {h['fewest_per_turn']:.0f} | "
+                                 f"{h['headroom']:.0%} |")
     return "\n".join(lines)
 
 
@@ -146,7 +195,13 @@ def main() -> None:
                          "about half the conversations puts it under pressure: a router that spreads a "
                          "conversation over both replicas then evicts what one that follows the cache keeps")
     ap.add_argument("--out", default="benchmarks/results/prefix_routing", help="output path without suffix")
+    ap.add_argument("--from-json", default=None, metavar="PATH",
+                    help="print the tables of a run saved earlier (its JSON, with the prefill headroom table), "
+                         "start nothing")
     args = ap.parse_args()
+    if args.from_json:
+        print(rerender(Path(args.from_json)))
+        return
     if args.num_kv_blocks is not None and args.num_kv_blocks < 1:
         ap.error(f"--num-kv-blocks must be >= 1, got {args.num_kv_blocks}")
     cfg, levels, convs, results = load_workload(ap, args)
@@ -168,9 +223,20 @@ def main() -> None:
                     "tokens_per_s_ratio": s["output_tokens_per_s"] / base["output_tokens_per_s"],
                 }
     results["compute_path"] = results["levels"][f"pow2 c={levels[0]}"]["compute_path"]
+    results["prefill_headroom"] = prefill_headroom(results, levels)
     table = report(args, results, levels)
     print(table)
     write_report(args.out, table, results)
+
+
+def rerender(path: Path) -> str:
+    """The tables of a saved run (``--from-json``), its prefill headroom computed from its records."""
+    results = json.loads(path.read_text())
+    # runs saved before an option existed ran at its default
+    args = argparse.Namespace(**{"num_kv_blocks": None, "system_prompt": "policy", "think_s": 0.0, **results["args"]})
+    levels = sorted({int(k.rsplit("c=", 1)[1]) for k in results["levels"]})
+    results["prefill_headroom"] = prefill_headroom(results, levels)
+    return report(args, results, levels)
 
 
 if __name__ == "__main__":
