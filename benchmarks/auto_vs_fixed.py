@@ -44,6 +44,22 @@ MODES = ("plain", "auto", "fixed")
 
 
 
+def count_shapes(engine) -> Counter:
+    """Count the draft-tree shape (``BxD``, or ``plain``) of each of ``engine``'s iterations that decode,
+    as its speculation policy is told of them (``observe_step``); returns the live counter."""
+    counts: Counter = Counter()
+    policy = engine.spec_policy
+    observe_step = policy.observe_step
+
+    def counted(shape, num_generation, *rest, **kw):
+        if num_generation:
+            counts[str(shape) if shape is not None else "plain"] += 1
+        return observe_step(shape, num_generation, *rest, **kw)
+
+    policy.observe_step = counted
+    return counts
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default="configs/local.yaml", help="rdserve config (its speculation policy is auto's)")
@@ -70,6 +86,7 @@ def main() -> None:
     plain = build_engine(cfg.model_copy(update={"speculation": off_spec}))
     engines = {"plain": (plain, "plain"), "auto": (auto, "spec"), "fixed": (fixed, "spec")}
     seconds, tokens = Counter(), Counter()
+    auto_shapes = count_shapes(auto)
 
     def run(mode: str, ids: list[int]) -> list[int]:
         engine, engine_mode = engines[mode]
@@ -91,6 +108,8 @@ def main() -> None:
         if len({tuple(o) for o in outputs.values()}) != 1:
             raise SystemExit(f"prompt {i}: greedy outputs differ between modes: {outputs}")
     rate = {m: tokens[m] / seconds[m] for m in MODES}
+    steps = sum(auto_shapes.values())
+    chosen = ", ".join(f"{k} {v / steps:.0%}" for k, v in auto_shapes.most_common()) if steps else "-"
     shape = f"{args.num_beams}x{args.draft_len_per_beam}"
     table = "\n".join([
         f"{cpu_model()}, compute path {auto.compute_path}; auto: {auto.spec_selection.source}; fixed {shape} "
@@ -101,13 +120,15 @@ def main() -> None:
         "|---|---|---|---|---|---|",
         f"| {rate['plain']:.1f} | {rate['auto']:.1f} | {rate['fixed']:.1f} | {rate['auto'] / rate['plain']:.3f}x | "
         f"{rate['fixed'] / rate['plain']:.3f}x | {rate['auto'] / max(rate['plain'], rate['fixed']):.3f}x |",
+        "",
+        f"auto's decode iterations by shape (warm-up included): {chosen}",
     ])
     print(table)
     write_report(args.out, table, {"tokens_per_s": rate, "seconds": dict(seconds), "tokens": dict(tokens),
                                    "args": vars(args), "cpu": cpu_model(), "compute_path": auto.compute_path,
                                    "auto_policy": auto.spec_selection.source,
                                    "auto_measured_at_start": auto.spec_selection.measure_at_start,
-                                   "step_conditions": auto.step_conditions})
+                                   "step_conditions": auto.step_conditions, "auto_shapes": dict(auto_shapes)})
 
 
 if __name__ == "__main__":
