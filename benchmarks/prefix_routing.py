@@ -1,4 +1,4 @@
-"""Routing that follows the prefix cache: two replicas, the same multi-turn traffic, three routers.
+"""Routing that follows the prefix cache: two replicas (``--replicas``), the same multi-turn traffic, three routers.
 
 The conversations of ``benchmarks/prefix_cache.py`` (``--prompts`` user turns behind its ~500-token
 system prompt; a conversation's turn k carries the whole conversation so far), served by CONFIG with
@@ -22,6 +22,11 @@ could still save. Prints Markdown tables naming the CPU and compute path; writes
 
 On a machine with few cores set ``engine.num_threads`` so the two replicas do not oversubscribe them
 (``--threads``; default: cores / 2).
+
+With two replicas, pow2 samples both every time: it is join-the-shortest-queue, and in a closed loop
+the conversation's replica has just freed a slot. ``--replicas 4`` shows the routers where pow2 sees
+the conversation's replica among its two samples only half the time (on few cores the replicas then
+share them: compare the routers with each other, not with a two-replica run).
 
 Usage:
     python benchmarks/prefix_routing.py --config configs/local.yaml --num-conversations 24 \\
@@ -64,8 +69,8 @@ ROUTERS = {
 
 
 def router_config(config: Path, router: str, threads: int, out_dir: Path,
-                  num_kv_blocks: int | None = None) -> tuple[Path, int]:
-    """CONFIG with two replicas, prefix caching on, ``router``'s serve fields, ``threads`` engine threads
+                  num_kv_blocks: int | None = None, replicas: int = 2) -> tuple[Path, int]:
+    """CONFIG with ``replicas`` replicas, prefix caching on, ``router``'s serve fields, ``threads`` engine threads
     per replica, ``num_kv_blocks`` KV blocks per replica (None: CONFIG's) and free ports; returns the
     copy's path and HTTP port."""
     data = absolute_paths(yaml.safe_load(config.read_text()) or {}, config.resolve().parent)
@@ -73,8 +78,12 @@ def router_config(config: Path, router: str, threads: int, out_dir: Path,
     if num_kv_blocks is not None:
         data["engine"]["num_kv_blocks"] = num_kv_blocks
     port = free_port()
-    data["serve"] = {**(data.get("serve") or {}), **ROUTERS[router], "replicas": 2, "autoscaling": None,
+    data["serve"] = {**(data.get("serve") or {}), **ROUTERS[router], "replicas": replicas, "autoscaling": None,
                      "port": port}
+    # Ray places a replica only where its logical CPUs are free: more replicas than cores share them
+    cores = os.cpu_count() or 2
+    per_replica = float(data["serve"].get("num_cpus_per_replica") or 1.0)
+    data["serve"]["num_cpus_per_replica"] = min(per_replica, cores / replicas)
     data["observability"] = {**(data.get("observability") or {}), "metrics_port": free_port()}
     path = out_dir / f"router_{router.replace('+', '_')}.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False))
@@ -126,7 +135,7 @@ def prefill_headroom(results: dict, levels: list[int]) -> dict:
 
 def serve_level(config: Path, router: str, convs: list[dict], concurrency: int, model: str, tmp: Path,
                 args) -> dict:
-    path, port = router_config(config, router, args.threads, tmp, args.num_kv_blocks)
+    path, port = router_config(config, router, args.threads, tmp, args.num_kv_blocks, args.replicas)
     base_url = f"http://127.0.0.1:{port}"
     proc = start_server(str(path), base_url)
     try:
@@ -149,7 +158,7 @@ def serve_level(config: Path, router: str, convs: list[dict], concurrency: int, 
 def report(args, results: dict, levels: list[int]) -> str:
     convs = results["conversations"]
     turns = [len(c["lines"]) for c in convs]
-    lines = [f"CPU: {results['cpu']}; compute path: {results['compute_path']}; config {args.config}, 2 replicas x "
+    lines = [f"CPU: {results['cpu']}; compute path: {results['compute_path']}; config {args.config}, {args.replicas} replicas x "
              f"{args.threads} thread(s), prefix caching on, KV blocks per replica "
              f"{args.num_kv_blocks or 'as configured'}, system prompt '{args.system_prompt}' "
              f"({results['system_prompt_tokens']} tokens); {len(convs)} conversations of {min(turns)}-{max(turns)} "
@@ -194,6 +203,8 @@ def main() -> None:
                     help="engine.num_kv_blocks of each replica (default: the config's sizing). A cache that holds "
                          "about half the conversations puts it under pressure: a router that spreads a "
                          "conversation over both replicas then evicts what one that follows the cache keeps")
+    ap.add_argument("--replicas", type=int, default=2,
+                    help="engine replicas (default 2, the issue's setup; with more, pow2 samples two of them)")
     ap.add_argument("--out", default="benchmarks/results/prefix_routing", help="output path without suffix")
     ap.add_argument("--from-json", default=None, metavar="PATH",
                     help="print the tables of a run saved earlier (its JSON, with the prefill headroom table), "
@@ -202,6 +213,8 @@ def main() -> None:
     if args.from_json:
         print(rerender(Path(args.from_json)))
         return
+    if args.replicas < 2:
+        ap.error(f"--replicas must be >= 2 (routing chooses between replicas), got {args.replicas}")
     if args.num_kv_blocks is not None and args.num_kv_blocks < 1:
         ap.error(f"--num-kv-blocks must be >= 1, got {args.num_kv_blocks}")
     cfg, levels, convs, results = load_workload(ap, args)
@@ -233,7 +246,8 @@ def rerender(path: Path) -> str:
     """The tables of a saved run (``--from-json``), its prefill headroom computed from its records."""
     results = json.loads(path.read_text())
     # runs saved before an option existed ran at its default
-    args = argparse.Namespace(**{"num_kv_blocks": None, "system_prompt": "policy", "think_s": 0.0, **results["args"]})
+    args = argparse.Namespace(**{"num_kv_blocks": None, "system_prompt": "policy", "think_s": 0.0, "replicas": 2,
+                                 **results["args"]})
     levels = sorted({int(k.rsplit("c=", 1)[1]) for k in results["levels"]})
     results["prefill_headroom"] = prefill_headroom(results, levels)
     return report(args, results, levels)
