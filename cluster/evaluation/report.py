@@ -45,10 +45,16 @@ def _compatibility(c: dict) -> list[str]:
     if "error" in c:
         return [f"**Unsupported:** {c['error']}"]
     rd = c["redrafter"]
-    lines = [f"- backend `{c['backend']}` on `{c['device']}`, dtype `{c['dtype']}`, tp_size {c['tp_size']}, "
-             f"context length {c['max_seq_len']}, replicas {c['replicas']}",
+    path = (c.get("server") or {}).get("compute_path")  # the kernels the server runs (absent: no server asked)
+    auto = (c.get("speculation") or {}).get("policy") == "auto"
+    lines = [f"- backend `{c['backend']}` on `{c['device']}`"
+             + (f", compute path `{path}` (the server's kernels and weight format)" if path else "")
+             + f", dtype `{c['dtype']}`, tp_size {c['tp_size']}, context length {c['max_seq_len']}, "
+             f"replicas {c['replicas']}",
              f"- ReDrafter: {rd['num_beams']} beams x {rd['draft_len_per_beam']} draft tokens per beam "
-             f"(drafter `{rd['drafter']}`)",
+             + ("for requests that force speculation (under policy auto the goodput model picks each "
+                "iteration's shape) " if auto else "")
+             + f"(drafter `{rd['drafter']}`)",
              "- versions: " + ", ".join(f"{k} {v or 'not installed'}" for k, v in c["versions"].items())]
     lines += [f"- {name.replace('_', ' ')}: {what}" for name, what in c["features"].items()]
     if c.get("server"):

@@ -108,3 +108,17 @@ def test_a_results_file_of_an_earlier_version_still_renders(tmp_path):
     paths = write_report(results, tmp_path)
     assert paths["speculation_yaml"].read_text() == "speculation:\n  spec_max_load: 1\n"
     assert "speculation:\n  spec_max_load: 1" in paths["markdown"].read_text()
+
+
+def test_compatibility_names_the_servers_compute_path_and_what_the_shape_means_under_auto(tmp_path):
+    compat = {"backend": "torch", "device": "cpu", "dtype": "float32", "tp_size": 1, "max_seq_len": 2048,
+              "replicas": 1, "redrafter": {"drafter": "d", "num_beams": 2, "draft_len_per_beam": 2},
+              "speculation": {"policy": "auto", "spec_max_load": 2, "default_mode": "auto"},
+              "features": {}, "versions": {}, "server": {"compute_path": "gguf-avx512-int8"}}
+    md = write_report({"compatibility": compat}, tmp_path / "a")["markdown"].read_text()
+    assert "- backend `torch` on `cpu`, compute path `gguf-avx512-int8` (the server's kernels" in md
+    assert "2 beams x 2 draft tokens per beam for requests that force speculation (under policy auto" in md
+    fixed = {**compat, "server": None, "speculation": {**compat["speculation"], "policy": "fixed"}}
+    md = write_report({"compatibility": fixed}, tmp_path / "b")["markdown"].read_text()
+    assert "- backend `torch` on `cpu`, dtype `float32`, tp_size 1" in md  # no server asked: no path named
+    assert "2 beams x 2 draft tokens per beam (drafter `d`)" in md
