@@ -273,7 +273,9 @@ class Engine:
         for seq, start, _ in plan.context:  # prompt blocks now computed join the prefix cache
             if seq.block_hashes:
                 self.blocks.register(seq, seq.block_hashes, min(seq.num_computed_tokens, len(seq.prompt_token_ids)))
-            if stats and seq.num_preemptions == 0 and start == seq.cached_tokens:  # its first admission
+            # its first admission, if it looked the cache up (caching on, no prompt logprobs asked)
+            if (stats and self.blocks.enable_prefix_caching and seq.match_prefix and seq.num_preemptions == 0
+                    and start == seq.cached_tokens):
                 stats.on_prefix_cache(len(seq.prompt_token_ids), seq.cached_tokens)
         deltas, finished = [], []
         for r in results:

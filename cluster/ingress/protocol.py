@@ -683,9 +683,13 @@ class CompletionRequest(_GenerationRequest):
         """A list of one prompt is that prompt.
 
         Raises:
-            ValueError: a list of other than one prompt, or neither a string nor a list.
+            ValueError: token ids (OpenAI's integer-array prompt forms), a list of other than one prompt,
+                or neither a string nor a list.
         """
         if isinstance(prompt, list):
+            if any(isinstance(p, (int, list)) and not isinstance(p, bool) for p in prompt):
+                raise ValueError("token-id prompts (arrays of integers) are not supported; send the prompt "
+                                 "text as a string")
             if len(prompt) != 1:
                 raise ValueError("only a single prompt string is supported")
             return prompt[0]

@@ -94,7 +94,8 @@ METRICS: tuple[MetricDef, ...] = (
     MetricDef("spec_decode_num_accepted_tokens",          C, (),                   None,              "engine",
               "Draft tokens accepted by the base model and emitted."),
     MetricDef("prefix_cache_queries",                     C, (),                   None,              "engine",
-              "Prompt tokens looked up in the prefix cache at admission (vLLM's name)."),
+              "Prompt tokens looked up in the prefix cache at admission (vLLM's name); none with "
+              "engine.enable_prefix_caching off or for requests that ask for prompt logprobs (they compute every position)."),
     MetricDef("prefix_cache_hits",                        C, (),                   None,              "engine",
               "Prompt tokens found in the prefix cache (their prefill skipped); hit rate = hits / queries."),
     MetricDef("spec_decode_num_grammar_rejected_tokens",  C, (),                   None,              "engine",

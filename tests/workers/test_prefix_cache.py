@@ -206,3 +206,30 @@ def test_prompt_logprobs_compute_every_prompt_position_despite_a_cached_prefix(e
     assert [(e.token_id, e.logprob) for e in first.prompt_logprobs] == [(e.token_id, e.logprob) for e in want]
     again = next(engine.generate(prompt, SamplingParams(max_tokens=1), "plain", "plain-again"))
     assert again.cached_tokens > 0
+
+
+def test_prefix_cache_counters_count_only_lookups(engines):
+    """``prefix_cache_queries`` counts the prompt tokens of requests that looked the cache up: none with
+    caching off (a dashboard would show a 0% hit rate instead of no cache), and none for a request
+    that asks for prompt logprobs (it computes every position); the others count, hits included."""
+    prompt = [random.Random(7).randrange(3, 300) for _ in range(40)]
+    off = engines("tied_gqa2", False)
+    off.stats = EngineStats()
+    try:
+        list(off.generate(prompt, SamplingParams(max_tokens=2), "plain", "off-1"))
+        list(off.generate(prompt, SamplingParams(max_tokens=2), "spec", "off-2"))
+        stats = off.drain_stats()
+    finally:
+        off.stats = None
+    assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (0, 0) and stats.prompt_tokens == 80
+    on = engines("tied_gqa2", True)
+    on.stats = EngineStats()
+    try:
+        list(on.generate(prompt, SamplingParams(max_tokens=2), "plain", "on-1"))
+        list(on.generate(prompt, SamplingParams(max_tokens=1, prompt_logprobs=1), "plain", "on-logprobs"))
+        again = list(on.generate(prompt, SamplingParams(max_tokens=2), "plain", "on-2"))
+        stats = on.drain_stats()
+    finally:
+        on.stats = None
+    assert again[0].cached_tokens > 0
+    assert stats.prefix_cache_queries == 2 * len(prompt) and stats.prefix_cache_hits == again[0].cached_tokens
