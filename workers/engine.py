@@ -263,10 +263,12 @@ class Engine:
         full_depth = self.runner.max_draft_depth(plan.spec_shape) if plan.spec_shape else 0
         min_prob = self.spec_policy.min_draft_prob(len(plan.generation), plan.spec_shape) if plan.spec_shape else 0.0
         prune = {"min_draft_prob": min_prob} if min_prob > 0 else {}  # the run call is unchanged while pruning is off
+        settled = True  # run on the thread count the thread policy settled on (not a probe of another)
         if self.thread_policy is None:
             results = self.runner.run(plan.context, plan.generation, plan.spec_shape, limits, **prune)
         else:
             rows, threads = plan.num_tokens, self.thread_policy.choose(plan.num_tokens, t0)
+            settled = threads == self.thread_policy.best(rows)
             torch.set_num_threads(threads)
             results = self.runner.run(plan.context, plan.generation, plan.spec_shape, limits, **prune)
             self.thread_policy.observe(rows, threads, time.perf_counter() - t0)
@@ -326,7 +328,8 @@ class Engine:
             plain = sum(1 for n in limits.values() if n == 0)
             context = sum(s.num_tokens for s in plan.generation) / max(len(plan.generation), 1)
             rows = sum(r.num_rows for r in results if r.generation_step)
-            self.spec_policy.observe_step(plan.spec_shape, len(plan.generation), full, plain, seconds, context, rows)
+            self.spec_policy.observe_step(plan.spec_shape, len(plan.generation), full, plain, seconds, context, rows,
+                                          timed=settled)
         if stats:
             stats.on_iteration(len(plan.context), len(plan.generation), plan.spec_shape, len(plan.preempted),
                                seconds)

@@ -310,3 +310,43 @@ def test_stats_can_be_read_while_the_engine_thread_observes():
         thread.join()
         sys.setswitchinterval(interval)
     assert not errors, errors[:3]
+
+
+def test_an_engine_times_the_speculation_policys_steps_only_on_the_settled_count(tiny_model_dirs, trained_drafter_dirs):
+    """The engine tells the speculation policy which generation steps ran on the thread count the
+    thread policy settled on (``timed``): a probe of another count times the count, not the shape."""
+
+    class Alternating:  # settles on 2 threads and probes 1 every other step
+        def __init__(self):
+            self.step = 0
+
+        def choose(self, rows, now):
+            self.step += 1
+            return 1 if self.step % 2 else 2
+
+        def best(self, rows):
+            return 2
+
+        def observe(self, rows, threads, seconds):
+            pass
+
+    model, drafter = str(tiny_model_dirs["tied_gqa2@gguf"]), str(trained_drafter_dirs["tied_gqa2@gguf"])
+    threads = torch.get_num_threads()
+    try:
+        engine = load_engine(model, drafter, num_beams=2, draft_len_per_beam=2, max_seq_len=128, num_kv_blocks=64,
+                             adaptive_threads=True)
+        engine.thread_policy = policy = Alternating()
+        seen = []
+        observe_step = engine.spec_policy.observe_step
+
+        def recorded(*args, timed=True, **kw):
+            seen.append((policy.step % 2 == 0, timed))  # (ran on 2 threads, timed)
+            return observe_step(*args, timed=timed, **kw)
+
+        engine.spec_policy.observe_step = recorded
+        for mode in ("plain", "spec"):
+            list(engine.generate(list(range(5, 16)), SamplingParams(max_tokens=16), mode, mode))
+    finally:
+        torch.set_num_threads(threads)
+    assert len(seen) > 10 and {on_two for on_two, _ in seen} == {True, False}
+    assert all(on_two == timed for on_two, timed in seen)

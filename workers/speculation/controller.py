@@ -265,7 +265,8 @@ class SpecController:
         self._tau = (shape, (1 - a) * taus[shape] + a * tokens)
 
     def observe_step(self, shape: Shape | None, num_generation: int, num_full_trees: int, num_plain: int,
-                     seconds: float, context: float | None = None, rows: int | None = None) -> None:
+                     seconds: float, context: float | None = None, rows: int | None = None,
+                     timed: bool = True) -> None:
         """Record one generation-only iteration (no prompt chunk): ``num_generation`` requests, of which
         ``num_full_trees`` drafted a whole tree of ``shape`` and ``num_plain`` none, in ``seconds``,
         at ``context`` mean context tokens per request (None: unknown), verifying ``rows`` tree rows
@@ -273,7 +274,13 @@ class SpecController:
         :class:`workers.speculation.step_times.LiveStepCosts`).
         Only a clean iteration (all plain, or all full trees) that runs the same choice as the
         iteration just before it is a step-time sample (the first after a switch or a prompt chunk
-        pays for the switch); every one counts in the probe budget."""
+        pays for the switch), and only if ``timed``: an iteration the thread policy
+        (:mod:`workers.thread_policy`) ran on a count it was probing, not the one it settled on, times
+        the thread count, not the choice. (Traced on the EPYC Zen 4 at batch 1: 5-7% of tree steps
+        were such probes, a 1x2 step at 13-14 ms on 1 thread against 9.3 on 2; a shape in steady use
+        has a window median that shrugs them off, but a rarely run shape's few samples did not, and
+        its estimate rose above a larger tree's; BENCHMARKS.md section 19.) Every iteration counts in
+        the probe budget."""
         if num_generation < 1 or seconds <= 0:
             return
         if self.step_time is not None:
@@ -282,7 +289,7 @@ class SpecController:
         choice = None if num_plain == num_generation else shape if num_full_trees == num_generation else "mixed"
         steady = self._last_step == (self._iteration - 1, choice)
         self._last_step = (self._iteration, choice)
-        if steady and (choice is None or choice in self.costs.seed.spec_s):
+        if steady and timed and (choice is None or choice in self.costs.seed.spec_s):
             self.costs.observe(num_generation, choice, seconds, context, rows if choice is not None else None)
 
     def stats(self) -> dict:

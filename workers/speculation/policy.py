@@ -57,9 +57,11 @@ class SpecPolicy(Protocol):
                 rows: int | None = None) -> None: ...
 
     def observe_step(self, shape: DraftShape | None, num_generation: int, num_full_trees: int, num_plain: int,
-                     seconds: float, context: float | None = None, rows: int | None = None) -> None:
+                     seconds: float, context: float | None = None, rows: int | None = None,
+                     timed: bool = True) -> None:
         """A generation-only iteration's seconds, mean context tokens per request and tree rows
-        verified (see ``SpecController.observe_step``)."""
+        verified; ``timed`` False: it ran on a thread count other than the settled one (see
+        ``SpecController.observe_step``)."""
 
     def stats(self) -> dict:
         """``shape`` (``BxD`` or None) and ``tau`` (tokens per drafted step, or None) for stats."""

@@ -227,7 +227,8 @@ class TablePolicy:
             self._tau = tokens if self._tau is None else (1 - self.ema_alpha) * self._tau + self.ema_alpha * tokens
 
     def observe_step(self, shape: Shape | None, num_generation: int, num_full_trees: int, num_plain: int,
-                     seconds: float, context: float | None = None, rows: int | None = None) -> None:
+                     seconds: float, context: float | None = None, rows: int | None = None,
+                     timed: bool = True) -> None:
         """A table learns nothing from step times."""
 
     def stats(self) -> dict:

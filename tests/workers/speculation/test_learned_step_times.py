@@ -208,3 +208,17 @@ def test_the_choice_follows_the_context_of_the_traffic():
                 if cycle >= 2 and i >= 50:  # after the first cycles, and a phase's first 50 iterations
                     wrong[ctx] += controller.current != right
     assert wrong[100] <= 0.05 * 4 * 350 and wrong[1500] <= 0.05 * 4 * 350, wrong
+
+
+def test_steps_on_a_probed_thread_count_are_not_step_time_samples():
+    """A step the thread policy ran on a count it was probing (``timed=False``) times the thread
+    count, not the shape: it never enters the shape's estimate, however slow, while the same steps
+    timed do (traced on the EPYC Zen 4: such probes lifted a rarely run 1x1 above a larger tree)."""
+    seed = scaled(1.0, 1.0)
+    for timed, moves in ((False, False), (True, True)):
+        c = SpecController(seed)
+        for _ in range(20):
+            c.shape_for(1)
+            c.observe_step((1, 1), 1, 1, 0, 3 * TRUE.t_spec(1, (1, 1)), None, None, timed=timed)
+        assert (c.costs.t_spec(1, (1, 1)) > 2 * TRUE.t_spec(1, (1, 1))) == moves, timed
+        assert (c.costs.samples(1, (1, 1)) > 0) == moves
