@@ -268,7 +268,7 @@ class Engine:
             results = self.runner.run(plan.context, plan.generation, plan.spec_shape, limits, **prune)
         else:
             rows, threads = plan.num_tokens, self.thread_policy.choose(plan.num_tokens, t0)
-            settled = threads == self.thread_policy.best(rows)
+            settled = self.thread_policy.settled
             torch.set_num_threads(threads)
             results = self.runner.run(plan.context, plan.generation, plan.spec_shape, limits, **prune)
             self.thread_policy.observe(rows, threads, time.perf_counter() - t0)

@@ -126,6 +126,7 @@ class ThreadPolicy:
     _last_class: int | None = None  # its size class
     _since_switch: int = 0  # steps run on _last since the count changed
     _switch_s: float = 0.0  # their step time (seconds)
+    settled: bool = False  # the last choose() returned the class's measured best count, not a probe
 
     def __post_init__(self):
         if self.max_threads < 1:
@@ -153,7 +154,10 @@ class ThreadPolicy:
         return times[len(times) // 4] if times else None
 
     def choose(self, rows: int, now: float) -> int:
-        """Threads for the next step of ``rows`` rows at time ``now`` (seconds, monotonic)."""
+        """Threads for the next step of ``rows`` rows at time ``now`` (seconds, monotonic); sets
+        :attr:`settled`: whether that count is the class's measured best (False while a count is
+        measured for the first time or probed)."""
+        self.settled = False
         c = size_class(rows)
         for t in reversed(self.counts):  # measure every count, most threads first
             if (c, t) not in self._step_s:
@@ -162,6 +166,7 @@ class ThreadPolicy:
             return self._probing[c][0]
         best = self.best(rows)
         if len(self.counts) == 1:
+            self.settled = True
             return best
         est = self._estimate(c, best)
         ref = self._ref.setdefault((c, best), est)
@@ -183,6 +188,7 @@ class ThreadPolicy:
             if (now >= due_wall and spent >= due_fast_s) if fast else (spent >= due_s and now >= earliest):
                 break
         else:
+            self.settled = True
             return best
         self._ref[c, best] = est
         # A probe runs until its n-th measured step, its first once its warm-up has passed (one step

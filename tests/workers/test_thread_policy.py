@@ -322,10 +322,8 @@ def test_an_engine_times_the_speculation_policys_steps_only_on_the_settled_count
 
         def choose(self, rows, now):
             self.step += 1
-            return 1 if self.step % 2 else 2
-
-        def best(self, rows):
-            return 2
+            self.settled = self.step % 2 == 0
+            return 2 if self.settled else 1
 
         def observe(self, rows, threads, seconds):
             pass
@@ -350,3 +348,18 @@ def test_an_engine_times_the_speculation_policys_steps_only_on_the_settled_count
         torch.set_num_threads(threads)
     assert len(seen) > 10 and {on_two for on_two, _ in seen} == {True, False}
     assert all(on_two == timed for on_two, timed in seen)
+
+
+def test_settled_says_whether_a_step_runs_on_the_measured_best_count():
+    """``settled`` is False while a count is measured for the first time or probed, True on the best."""
+    policy = ThreadPolicy(2, probe_interval_s=1.0)
+    seen = []
+    now = 0.0
+    for _ in range(400):
+        t = policy.choose(1, now)
+        seen.append((t, policy.settled, policy.best(1)))
+        policy.observe(1, t, {1: 0.010, 2: 0.005}[t])
+        now += 0.05
+    assert not seen[0][1] and not seen[1][1]  # both counts measured first
+    assert all(settled == (best is not None and t == best) for t, settled, best in seen)
+    assert any(settled for _, settled, _ in seen) and any(t == 1 for t, settled, _ in seen[2:])  # probes ran
