@@ -36,6 +36,7 @@ LEADER = 0
 LIVENESS_INTERVAL_S = 0.05
 # How a rank waits (see Communicator.wait): busy-poll, then poll with sched_yield, then sleep.
 SPIN_S, YIELD_S, SLEEP_S = 2e-4, 0.05, 1e-3
+EXIT_SETTLE_S = 0.2  # after a dead peer is seen: time for other exits in progress to finish
 HEADER_BYTES = 1 << 12  # first broadcast: 8-byte length + the command if it fits (decode: ~1 KiB)
 
 
@@ -100,12 +101,18 @@ class Communicator:
             RankFailure: ``"TP rank r (pid p) exited"``, naming every dead process of the group
                 (ranks that saw a peer die exit too, so more than the first may be listed).
         """
+        if all(process_alive(pid) for r, pid in enumerate(self.pids) if r != self.rank):
+            return
+        # A rank killed by a signal closes its sockets before it becomes a zombie, and a sibling
+        # that sees the reset may abort and be reaped first (seen in CI: a SIGKILLed rank 2 still
+        # exiting while rank 3 was already gone). Let exits in progress finish so the message
+        # names the rank that died first too.
+        time.sleep(EXIT_SETTLE_S)
         dead = [f"TP rank {r} (pid {pid})" for r, pid in enumerate(self.pids)
                 if r != self.rank and not process_alive(pid)]
-        if dead:
-            global _group_failed
-            _group_failed = True
-            raise RankFailure(f"{', '.join(dead)} exited")
+        global _group_failed
+        _group_failed = True
+        raise RankFailure(f"{', '.join(dead)} exited")
 
     def wait(self, request: "MPI.Request") -> None:
         """Complete a non-blocking MPI request, checking peer liveness every
