@@ -129,6 +129,20 @@ def relative_slope(windows) -> float | None:
     return min(max(statistics.median(slopes), 0.0), MAX_RELATIVE_SLOPE)
 
 
+def ordered_ratio(rows: int, own: float, peers: list[tuple[int, float]]) -> float:
+    """``own`` (a tree's measured / seed ratio, the tree verifying ``rows`` rows) held within the
+    ``peers``' ratios (``(rows, ratio)`` of trees better sampled): at most the smallest ratio of a
+    peer with more rows, at least the largest of a peer with fewer. A bound from below wins over one
+    from above when the peers themselves disagree (then the larger ratio is the safer price)."""
+    above = [r for n, r in peers if n > rows]
+    below = [r for n, r in peers if n < rows]
+    if above:
+        own = min(own, min(above))
+    if below:
+        own = max(own, max(below))
+    return own
+
+
 def batch_bucket(b: int) -> int:
     """The bucket of batch size ``b``: the smallest power of two >= ``b`` (1, 2, 4, 8, ...).
 
@@ -177,6 +191,7 @@ class LiveStepCosts:
         self._bins: dict[tuple[int, Choice], dict[int, deque[tuple[int, float, float]]]] = {}
         self.extra_rows = 0.0  # rows per request beyond the shape's own, moving average over tree samples
         self._row_s: dict[int, float] = {}  # batch size -> the seed's seconds per tree row
+        self._merged: set[tuple[int, Choice]] = set()  # windows sampled with fewer rows than the shape's own
 
     def at_context(self, context: float | None) -> None:
         """Read estimates at ``context`` (mean context tokens per request of the iteration about to
@@ -237,6 +252,32 @@ class LiveStepCosts:
         return self.t(b, shape)
 
     def ratio(self, b: int, choice: Choice) -> float:
+        """measured / seed at ``b``'s bucket for ``choice`` (:meth:`own_ratio`); a tree shape's held
+        between those of the trees sampled more at the bucket: at most the ratio of any with more
+        rows, at least that of any with fewer (:func:`ordered_ratio`).
+
+        Why: a shape in use fills its window every iteration, the others get a probe's two samples
+        now and then, possibly in a slow second. Traced on the EPYC Zen 4 (BENCHMARKS.md section 19):
+        at batch 1, 1x1 read 9.4 ms against 7.3 for the 1x2 in use, and at batch 4, 15.6 against
+        14.7, where a tree of fewer rows cannot cost more; the estimates then chose the larger tree.
+        A seed measured on this code orders the shapes right, so only their common level should
+        move. A tree whose samples verified fewer rows than its shape's own (beams that merged, a
+        search other than distinct-first) bounds no smaller tree: its ratio holds that saving.
+        What this gives up: a seed that overprices larger trees against smaller ones (another
+        machine's file trusted here) keeps a larger tree's estimate at the smaller tree's ratio
+        until the larger one is sampled more."""
+        own = self.own_ratio(b, choice)
+        if choice is None:
+            return own
+        bucket = batch_bucket(b)
+        n = len(self._samples.get((bucket, choice), ()))
+        rows = nominal_rows(choice)
+        peers = [(nominal_rows(c), self.own_ratio(b, c)) for k, c in self._ratio
+                 if k == bucket and c is not None and c != choice and len(self._samples[k, c]) > n
+                 and not (nominal_rows(c) > rows and (k, c) in self._merged)]
+        return ordered_ratio(rows, own, peers)
+
+    def own_ratio(self, b: int, choice: Choice) -> float:
         """measured / seed at ``b``'s bucket for ``choice``: its own samples, else the nearest sampled
         bucket's (the smaller on a tie), else 1.0 (never sampled). At :attr:`context`: the window's
         own line in the context where it fits one (extended beyond its contexts by the shared slope),
@@ -307,6 +348,8 @@ class LiveStepCosts:
             # rows beyond the shape's own: the lookup beam's; fewer rows (beams that merge, a beam
             # search's shared prefixes) belong to the shape and stay in its own ratio
             extra = max(rows / b - nominal_rows(choice), 0.0)
+            if rows / b < nominal_rows(choice):
+                self._merged.add(key)
             self.extra_rows += EXTRA_ROWS_ALPHA * (extra - self.extra_rows)
             base = self._tree_seed_t(b, choice, extra)
         ratio = seconds / base
@@ -370,4 +413,5 @@ class LiveStepCosts:
         self._k, self._max_context = None, 0.0
         self._bins.clear()
         self._row_s.clear()
+        self._merged.clear()
         self.extra_rows = 0.0

@@ -193,3 +193,45 @@ def test_extra_rows_at_batch_8_are_priced_per_request_row_and_merged_trees_do_no
         merged.observe(8, (4, 4), 0.005 + 5 * 0.004, rows=5 * 8)
     assert merged.extra_rows == 0.0
     assert merged.t_spec(8, (1, 2)) == pytest.approx(0.017)
+
+
+ORDERED_SEED = StepCosts(plain_s={1: 0.0055}, spec_s={(1, 1): {1: 0.008}, (1, 2): {1: 0.0104}, (2, 2): {1: 0.0112}},
+                         tokens_per_step={(1, 1): 1.70, (1, 2): 1.89, (2, 2): 2.08})
+
+
+def test_a_sparsely_sampled_smaller_tree_is_never_priced_above_the_larger_tree_in_use():
+    """The trace of BENCHMARKS.md section 19 at batch 1 on the EPYC Zen 4: the 1x2 in use timed at
+    0.7x its seed over a full window, 1x1 at two probe samples taken in a slow second (1.2x). Read
+    alone, 1x1 (9.4 ms) looked dearer than 1x2 (7.3 ms) and the goodput model kept the larger tree."""
+    live = LiveStepCosts(ORDERED_SEED, window=16)
+    for _ in range(16):
+        live.observe(1, (1, 2), 0.7 * 0.0104)
+    for _ in range(2):
+        live.observe(1, (1, 1), 1.2 * 0.008)
+    assert live.own_ratio(1, (1, 1)) == pytest.approx(1.2)
+    assert live.ratio(1, (1, 1)) == pytest.approx(0.7)  # held at the better-sampled larger tree's
+    assert live.t_spec(1, (1, 1)) < live.t_spec(1, (1, 2))
+    taus = ORDERED_SEED.tokens_per_step
+    assert best_choice(live, 1, taus).shape == (1, 1)
+    # a larger tree with fewer samples is held from below: 2x2 probed in a fast second (0.5x)
+    for _ in range(2):
+        live.observe(1, (2, 2), 0.5 * 0.0112)
+    assert live.ratio(1, (2, 2)) == pytest.approx(0.7)
+    # the better-sampled side keeps its own ratio
+    assert live.ratio(1, (1, 2)) == pytest.approx(0.7)
+
+
+def test_trees_ordered_only_by_better_sampled_peers_and_never_by_merged_ones():
+    """A tree bounds only trees it has more samples of; a larger tree whose samples verified fewer rows
+    than its shape's own (beams merged) bounds none from above, as its low ratio is its own saving."""
+    live = LiveStepCosts(ORDERED_SEED, window=16)
+    for _ in range(4):
+        live.observe(1, (1, 1), 0.008 * 1.5)
+    for _ in range(4):  # as many samples: not better sampled, no bound either way
+        live.observe(1, (1, 2), 0.0104 * 0.8)
+    assert live.ratio(1, (1, 1)) == pytest.approx(1.5) and live.ratio(1, (1, 2)) == pytest.approx(0.8)
+    merged = LiveStepCosts(ORDERED_SEED, window=16)
+    for _ in range(16):  # 2x2 trees whose beams merged to 3 rows
+        merged.observe(1, (2, 2), 0.006, rows=3)
+    merged.observe(1, (1, 1), 0.008)
+    assert merged.ratio(1, (1, 1)) == pytest.approx(1.0)
