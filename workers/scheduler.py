@@ -166,7 +166,6 @@ class Scheduler:
         plan = SchedulePlan()
         generating = [s for s in self.running if not s.is_prefill]
         policy.observe_context(sum(s.num_tokens for s in generating) / len(generating) if generating else None)
-        policy.observe_requests([s.spec_state for s in generating if s.speculative and not s.force_draft])
         shape = policy.shape_for(len(generating))
         by_policy = shape is not None
         if shape is None and forced_shape is not None and any(s.force_draft and s.speculative for s in generating):

@@ -97,9 +97,6 @@ class _NeverDrafts:
     def observe_context(self, context):
         pass
 
-    def observe_requests(self, states):
-        pass
-
     def shape_for(self, b: int):
         return (1, 1) if b <= 1 else None
 

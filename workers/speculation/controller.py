@@ -55,9 +55,6 @@ from workers.speculation.shape import shape_text
 from workers.speculation.step_times import LiveStepCosts, nominal_rows
 
 
-LONE_REQUEST_STEPS = 4  # drafted steps before a request running alone chooses from its own estimate
-
-
 @dataclass(frozen=True)
 class ControllerSettings:
     """Hysteresis and estimation settings (``speculation.auto`` in the config).
@@ -100,19 +97,11 @@ class RequestSpecState:
     extra_rows: rows its trees verified beyond the shape's own (the prompt-lookup beam's), moving
         average over its drafted steps with the weight of ``tau``; None until its first drafted step
         that reported rows (the replica's average stands in).
-    tau_shape: the shape ``tau`` is in the scale of (its last drafted step's); a drafted step of another
-        shape converts it first (:func:`workers.speculation.goodput.live_taus`).
-    drafted_steps: its drafted steps so far.
-    choice, has_choice: its own choice while it runs alone (see :meth:`SpecController.shape_for`).
     """
 
     tau: float | None = None
     plain_steps: int = 0
     extra_rows: float | None = None
-    tau_shape: Shape | None = None
-    drafted_steps: int = 0
-    choice: Shape | None = None
-    has_choice: bool = False
 
 
 class SpecController:
@@ -142,7 +131,6 @@ class SpecController:
         self._last_drafted: int | None = None  # the iteration of the last drafted step (None: none yet)
         self._hold: tuple[Shape | None] | None = None  # a probe's choice, run once more in the next iteration
         self._last_step: tuple[int, object] | None = None  # (iteration, choice) of the last observe_step
-        self._lone: RequestSpecState | None = None  # the one generation request of the iteration (observe_requests)
 
     # -- replica level ---------------------------------------------------------------------------
 
@@ -150,12 +138,6 @@ class SpecController:
         """The mean context tokens per generation request of the iteration about to be planned: step
         times are read at it (:meth:`workers.speculation.step_times.LiveStepCosts.at_context`)."""
         self.costs.at_context(context)
-
-    def observe_requests(self, states: list["RequestSpecState"]) -> None:
-        """The states of the iteration's generation requests that follow the policy (before :meth:`shape_for`):
-        one alone decides the batch-1 shape from its own estimate once it has drafted
-        :data:`LONE_REQUEST_STEPS` steps."""
-        self._lone = states[0] if len(states) == 1 else None
 
     @property
     def shapes(self) -> list[Shape]:
@@ -194,32 +176,7 @@ class SpecController:
         if self._streak >= self.settings.patience:
             self.current, self._streak, self.switches = best.shape, 0, self.switches + 1
         choice = self._maybe_probe(b) if self.current is None else self.current
-        lone = self._lone
-        if not self.probing and b == 1 and lone is not None and lone.drafted_steps >= LONE_REQUEST_STEPS:
-            choice = self._lone_choice(lone)
         return choice if self.probing else self._explore(b, choice)
-
-    def _lone_choice(self, state: "RequestSpecState") -> Shape | None:
-        """The shape (None: plain) for a request decoding alone, from its own tokens per step (carried to
-        every shape by :func:`~workers.speculation.goodput.live_taus`) rather than the replica's
-        slower average over earlier requests. It keeps its previous choice (at first the replica's)
-        unless another wins by ``margin``; no ``patience``, since a request's estimate is its own and
-        one step of another shape costs nothing to switch back from. While plain by its own estimate it
-        drafts every ``probe_interval``-th step with the shape that would pay most
-        (:meth:`drafts` lets such a probe through), so its estimate can recover.
-
-        Why: at batch 1 the replica's average (weight ``ema_alpha`` per step, over every request
-        since the start) kept whichever shape the first minutes favoured, and a request accepting
-        less than that shape's break-even decoded plain where a smaller tree still paid
-        (BENCHMARKS.md section 19, EPYC Zen 4: ``auto`` at 0.89-0.97x of fixed 1x1)."""
-        taus = live_taus(self.costs, state.tau_shape, state.tau)
-        best = best_choice(self.costs, 1, taus)
-        previous = state.choice if state.has_choice else self.current
-        keep = best.shape != previous and best.rate <= rate_of(self.costs, 1, previous, taus) * (1 + self.settings.margin)
-        state.choice, state.has_choice = previous if keep else best.shape, True
-        if state.choice is None and state.plain_steps + 1 >= self.settings.probe_interval:
-            return max(self.costs.shapes, key=lambda s: spec_rate(self.costs, 1, s, taus[s]))
-        return state.choice
 
     def min_draft_prob(self, b: int, shape: Shape) -> float:
         """The path probability a draft token needs to be verified in an iteration of ``b`` requests with
@@ -276,8 +233,7 @@ class SpecController:
         (every request drafts in an exploration probe, whose step time is the point)."""
         if self.probing:
             return True
-        tau = self._own_tau(state, shape)
-        tau = tau if tau is not None else self.taus()[shape]
+        tau = state.tau if state.tau is not None else self.taus()[shape]
         # break-even priced with its own lookup rows (the replica's average until it has drafted)
         if tau >= self.costs.t_rows(b, shape, state.extra_rows) / self.costs.t(b, None):
             return True
@@ -293,10 +249,10 @@ class SpecController:
         state.plain_steps = 0
         tokens = 1.0 + accepted
         taus = self.taus()
-        own = self._own_tau(state, shape)
+        if state.tau is None:
+            state.tau = taus[shape]
         r = self.settings.request_ema_alpha
-        state.tau = (1 - r) * (own if own is not None else taus[shape]) + r * tokens
-        state.tau_shape, state.drafted_steps = shape, state.drafted_steps + 1
+        state.tau = (1 - r) * state.tau + r * tokens
         if rows is not None:
             extra = max(rows - nominal_rows(shape), 0)
             state.extra_rows = extra if state.extra_rows is None else (1 - r) * state.extra_rows + r * extra
@@ -307,12 +263,6 @@ class SpecController:
             a = max(a, min(self.settings.probe_weight, 1.0 - (1.0 - a) ** gap))
         self._last_drafted = self._iteration
         self._tau = (shape, (1 - a) * taus[shape] + a * tokens)
-
-    def _own_tau(self, state: "RequestSpecState", shape: Shape) -> float | None:
-        """A request's own tokens per step in ``shape``'s scale (None: it has not drafted yet)."""
-        if state.tau is None or state.tau_shape is None or state.tau_shape == shape:
-            return state.tau
-        return live_taus(self.costs, state.tau_shape, state.tau)[shape]
 
     def observe_step(self, shape: Shape | None, num_generation: int, num_full_trees: int, num_plain: int,
                      seconds: float, context: float | None = None, rows: int | None = None,

@@ -43,10 +43,6 @@ class SpecPolicy(Protocol):
         """The mean context tokens per generation request of the iteration about to be planned (before
         :meth:`shape_for`; None: no generation request)."""
 
-    def observe_requests(self, states: list[object]) -> None:
-        """The speculation states of the iteration's generation requests that follow the policy (speculative,
-        not forcing drafts), before :meth:`shape_for`."""
-
     def shape_for(self, b: int) -> DraftShape | None: ...
 
     def min_draft_prob(self, b: int, shape: DraftShape) -> float:

@@ -204,9 +204,6 @@ class TablePolicy:
     def observe_context(self, context: float | None) -> None:
         """A table's shape does not depend on the context."""
 
-    def observe_requests(self, states: list) -> None:
-        """A table's shape does not depend on the requests."""
-
     def shape_for(self, b: int) -> Shape | None:
         self._last_shape = choose_shape(self.table, b)
         self._iterations += 1

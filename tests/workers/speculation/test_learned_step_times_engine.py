@@ -68,26 +68,6 @@ def test_real_iterations_fill_the_live_estimates(tiny_model_dirs, trained_drafte
     assert live.samples(8, None) == 0  # only what ran
 
 
-def test_a_request_alone_on_a_real_engine_chooses_from_its_own_estimate(tiny_model_dirs, trained_drafter_dirs):
-    """The scheduler tells the policy which requests it plans (``observe_requests``): a speculative request
-    running alone takes its own batch-1 choice once it has drafted a few steps; one of two does not."""
-    controller = SpecController(TRUE, step_time=table_step_time(TRUE))
-    engine = make_engine(tiny_model_dirs, trained_drafter_dirs, controller)
-    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-    engine.add_request("alone", engine.encode_prompt("Once upon a time"), params, "spec")
-    seq = engine.scheduler._by_id["alone"]
-    while engine.num_unfinished:
-        engine.step()
-    assert seq.spec_state.drafted_steps >= 4 and seq.spec_state.has_choice
-    for i in range(2):
-        engine.add_request(f"pair{i}", engine.encode_prompt(f"Story {i}: once upon a time"), params, "spec")
-    pair = [engine.scheduler._by_id[f"pair{i}"] for i in range(2)]
-    for _ in range(8):
-        engine.step()
-    assert all(s.spec_state.drafted_steps >= 4 and not s.spec_state.has_choice for s in pair)
-    engine.abort_all()
-
-
 @pytest.mark.parametrize("b,seed,right", [(1, TREES_SLOW, {(1, 2), (2, 3)}), (8, TREES_FREE, {None})])
 def test_a_wrong_calibration_gives_way_on_a_real_engine(tiny_model_dirs, trained_drafter_dirs, b, seed, right):
     controller = SpecController(seed, ControllerSettings(patience=2, explore_budget=0.2),
