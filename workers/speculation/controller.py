@@ -68,7 +68,11 @@ class ControllerSettings:
     explore_samples: a choice with fewer live samples than this at a bucket is probed there...
     explore_budget: ...while probes take at most this fraction of the generation time (0: never).
     explore_refresh: a choice whose newest sample at the bucket is older than this many samples is
-        probed again; samples older than twice this leave the median once it is re-sampled.
+        probed again; samples older than this leave the median once it is re-sampled (so the
+        probe's fresh samples alone price it: traced on the EPYC Zen 4 at batch 1, a 1x1 timed at
+        1.8x its cost in the replica's first request kept that price through its first re-timing
+        when samples lived twice as long, and the replica ran 1x2 for 1,150 iterations where 1x1
+        was 1.3x faster).
     probe_weight: the most one probe of a replica held plain weighs in the replica's tokens-per-step
         average (after a gap of plain iterations).
     prune_trees: :meth:`SpecController.min_draft_prob` prices draft rows (False: every tree whole).
@@ -115,7 +119,7 @@ class SpecController:
         step_time(b, shape, measured_s): the seconds an iteration of ``b`` requests with ``shape`` (None:
         no tree drafted) counts as; default the measured seconds. Tests and simulations pass a
         deterministic cost model here, so decisions do not depend on the machine's speed."""
-        self.costs = LiveStepCosts(costs, settings.step_window, max_age=2 * settings.explore_refresh)
+        self.costs = LiveStepCosts(costs, settings.step_window, max_age=settings.explore_refresh)
         self.step_time = step_time
         self.settings = settings
         self.budget = ProbeBudget(settings.explore_budget)
@@ -230,8 +234,15 @@ class SpecController:
 
     def drafts(self, state: "RequestSpecState", b: int, shape: Shape) -> bool:
         """Whether a request with ``state`` drafts in an iteration of ``b`` requests with ``shape``
-        (every request drafts in an exploration probe, whose step time is the point)."""
-        if self.probing:
+        (every request drafts in an exploration probe, whose step time is the point).
+
+        A request alone (``b <= 1``) always drafts when the replica chose a tree: the replica's choice
+        was made on that request's own acceptance (its live tau at batch 1 is this request's), so a
+        second, per-request gate only second-guesses it with a noisier estimate. Measured on the EPYC
+        Zen 4 (BENCHMARKS.md section 19): gated requests decoded 19-39% of their steps plain where
+        drafting still paid, and ``auto`` ran at 0.92-0.97x of a fixed 1x1 tree, against 0.98x without
+        the gate at batch 1."""
+        if self.probing or b <= 1:
             return True
         tau = state.tau if state.tau is not None else self.taus()[shape]
         # break-even priced with its own lookup rows (the replica's average until it has drafted)

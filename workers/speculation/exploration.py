@@ -8,7 +8,9 @@ the replica now and then runs a choice (for two iterations: the controller times
 the first pays for the switch) that has fewer than ``min_samples``
 samples at the current batch-size bucket, or whose newest sample there is older than ``refresh``
 samples (a step time measured while the replica warmed up or shared its cores must not decide for
-good): the cheapest such choice first, and only while the time spent in probes stays within
+good), or whose samples there all lie far from the current context
+(:meth:`workers.speculation.step_times.LiveStepCosts.covers_context`: a price read far from where it
+was measured must not decide for good either): the cheapest such choice first, and only while the time spent in probes stays within
 ``fraction`` of all generation time (:class:`ProbeBudget`).
 """
 
@@ -45,9 +47,10 @@ def unexplored(costs: LiveStepCosts, b: int, exclude: Choice, min_samples: int,
                refresh: int | None = None) -> list[Choice]:
     """Choices (None: plain, or a shape) other than ``exclude`` with fewer than ``min_samples`` live
     samples at ``b``'s bucket, or (``refresh`` given) a newest sample there older than ``refresh``
-    samples; cheapest estimated step first (ties: plain, then the smaller tree)."""
+    samples, or samples there that do not cover ``costs``' current context (``covers_context``);
+    cheapest estimated step first (ties: plain, then the smaller tree)."""
     def due(c: Choice) -> bool:
-        if costs.samples(b, c) < min_samples:
+        if costs.samples(b, c) < min_samples or not costs.covers_context(b, c):
             return True
         age = costs.age(b, c)
         return refresh is not None and age is not None and age > refresh

@@ -145,12 +145,22 @@ def break_even_tau(costs: StepCosts, b: float, shape: Shape) -> float:
 def live_taus(costs: StepCosts, observed_shape: Shape | None, observed_tau: float | None) -> dict[Shape, float]:
     """``tau`` for every calibrated shape given what the traffic shows on one of them.
 
-    Accepted draft tokens per step (``tau - 1``) of every shape are scaled by the observed shape's
-    ratio ``(observed_tau - 1) / (calibrated_tau - 1)``; without an observation, calibration.
+    Traffic accepting less than calibration's prompts did (``observed_tau`` below the observed shape's
+    calibrated tau): every shape's accepted draft tokens per step (``tau - 1``) scale by the observed
+    shape's ratio ``(observed_tau - 1) / (calibrated_tau - 1)`` (hard text fails every beam alike).
+    Traffic accepting more: every shape gains the same surplus ``observed_tau - calibrated_tau``, so a
+    larger tree keeps only its calibrated lead. Much of such a surplus is text copied from the context,
+    which the prompt-lookup beam (:mod:`workers.redrafter.prompt_lookup`) accepts whatever the
+    drafter's shape; scaled instead, a 1x1 request copying at 4.65 tokens per step priced a 2x2 tree at
+    6.6, and ``auto`` at batch 1 moved to trees that step 1.5x slower for a few more tokens (EPYC Zen 4,
+    BENCHMARKS.md section 22: 0.91-0.93x of a fixed 1x1 tree with scaling, 0.94-0.97x with the surplus).
+    Without an observation: calibration's.
     """
     calib = costs.tokens_per_step
     if observed_shape is None or observed_tau is None or observed_shape not in calib or calib[observed_shape] <= 1:
         return dict(calib)
+    if observed_tau > calib[observed_shape]:
+        return {s: observed_tau + (t - calib[observed_shape]) for s, t in calib.items()}
     factor = max(observed_tau - 1.0, 0.0) / (calib[observed_shape] - 1.0)
     return {s: 1.0 + (t - 1.0) * factor for s, t in calib.items()}
 

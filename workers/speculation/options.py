@@ -44,7 +44,7 @@ class AutoSettings(_Options):
                                   "of the generation time (0: never probe)")
     explore_refresh: int = Field(512, ge=1, description="a choice whose newest step-time sample at the current "
                                  "bucket is older than this many samples is probed again (within explore_budget); "
-                                 "samples older than twice this leave the moving median once it is re-sampled")
+                                 "samples older than this leave the moving median once it is re-sampled")
     measure_at_start: bool = Field(True, description="when the calibration file was recorded on another compute "
                                    "path, code version, kv_cache_dtype or thread count (or records none: older "
                                    "files), time plain and every "

@@ -44,6 +44,15 @@ One tree step timed at 480 tokens among fifteen at 170-190 once made a window's 
 a 1x2 step at 480+ tokens 2.5x its cost (a tree's step also varies with the rows its prompt-lookup
 beam adds, which one sample cannot tell from context): hence the samples required at each end.
 
+A window read far from every context it sampled, before the shared slope is fitted, says nothing
+about the price there: traffic alternating between 100 and 1,500 tokens of context (nothing in
+between: the shared slope needs ranges of context to pair) filled a 1x2 tree's window at 1,500
+tokens, and read at 100 it priced the tree at 2.5x its cost there, for good (plain stayed ahead, and
+nothing sampled the tree again). :meth:`LiveStepCosts.covers_context` tells the exploration probes
+(:func:`workers.speculation.exploration.unexplored`) to re-time such a choice at the current context
+until :data:`MIN_END_SAMPLES` of its samples lie within :data:`NEAR_CONTEXT` tokens of it (then the
+window fits its own line through both contexts).
+
 A shape's step also costs more when a prompt-lookup beam (:mod:`workers.redrafter.prompt_lookup`)
 finds a match and adds its rows to the tree: on the AMX Xeon at batch 1 a 1x2 step verifying 3
 rows took 6.75 ms, with 4 more lookup rows 9.2 ms (median of 548 and 206 steps). A window filled
@@ -77,6 +86,7 @@ CONTEXT_BIN = 64  # context tokens per range of the slope's history
 BIN_SAMPLES = 8  # samples kept per range
 HISTORY_AGE = 8192  # samples after which a range's sample leaves the slope's history
 PAIR_REACH = 4  # a range pairs with the next this many sampled ranges of its window (bounds a refit's work)
+NEAR_CONTEXT = MIN_CONTEXT_SPREAD  # context tokens within which a sample prices a read (covers_context)
 EXTRA_ROWS_ALPHA = 0.02  # weight of the newest tree sample in the moving average of extra rows per request
 
 
@@ -192,11 +202,31 @@ class LiveStepCosts:
         self.extra_rows = 0.0  # rows per request beyond the shape's own, moving average over tree samples
         self._row_s: dict[int, float] = {}  # batch size -> the seed's seconds per tree row
         self._merged: set[tuple[int, Choice]] = set()  # windows sampled with fewer rows than the shape's own
+        # ratio() per (bucket, choice) at the current context: a tree's read computes its peers' own
+        # ratios (3.2 us a read without it, 0.5 with it; read per request of every iteration); cleared
+        # by every sample, context change and reseed
+        self._memo: dict[tuple[int, Choice], float] = {}
 
     def at_context(self, context: float | None) -> None:
         """Read estimates at ``context`` (mean context tokens per request of the iteration about to
         be planned) from now on; None: every window's median, whatever the context."""
+        if context != self.context:
+            self._memo.clear()
         self.context = context
+
+    def covers_context(self, b: int, choice: Choice) -> bool:
+        """Whether the estimate for ``choice`` at ``b``'s bucket rests on samples near :attr:`context`:
+        True with no context set, once the shared relative slope is fitted (it carries a price across
+        contexts), or when at least :data:`MIN_END_SAMPLES` of the window's samples (all of them, in a
+        smaller window) lie within :data:`NEAR_CONTEXT` tokens of it or have no context; False for
+        a window never sampled."""
+        if self.context is None or self._k:
+            return True
+        window = self._samples.get((batch_bucket(b), choice))
+        if not window:
+            return False
+        near = sum(1 for _, c, _ in window if c is None or abs(c - self.context) <= NEAR_CONTEXT)
+        return near >= min(MIN_END_SAMPLES, len(window))
 
     @property
     def shapes(self) -> list[Shape]:
@@ -266,16 +296,21 @@ class LiveStepCosts:
         What this gives up: a seed that overprices larger trees against smaller ones (another
         machine's file trusted here) keeps a larger tree's estimate at the smaller tree's ratio
         until the larger one is sampled more."""
+        bucket = batch_bucket(b)
+        memo = self._memo.get((bucket, choice))
+        if memo is not None:
+            return memo
         own = self.own_ratio(b, choice)
         if choice is None:
+            self._memo[bucket, choice] = own
             return own
-        bucket = batch_bucket(b)
         n = len(self._samples.get((bucket, choice), ()))
         rows = nominal_rows(choice)
         peers = [(nominal_rows(c), self.own_ratio(b, c)) for k, c in self._ratio
                  if k == bucket and c is not None and c != choice and len(self._samples[k, c]) > n
                  and not (nominal_rows(c) > rows and (k, c) in self._merged)]
-        return ordered_ratio(rows, own, peers)
+        self._memo[bucket, choice] = ordered = ordered_ratio(rows, own, peers)
+        return ordered
 
     def own_ratio(self, b: int, choice: Choice) -> float:
         """measured / seed at ``b``'s bucket for ``choice``: its own samples, else the nearest sampled
@@ -343,6 +378,7 @@ class LiveStepCosts:
             raise ValueError(f"shape {choice} is not in the step-cost table")
         key = (batch_bucket(b), choice)
         self._now += 1
+        self._memo.clear()
         base = self.seed_t(b, choice)
         if choice is not None and rows is not None:
             # rows beyond the shape's own: the lookup beam's; fewer rows (beams that merge, a beam
@@ -406,6 +442,7 @@ class LiveStepCosts:
         """Start over from ``seed`` (a fresh measurement): live samples so far are dropped, since their
         ratios were taken against the old seed."""
         self.seed = seed
+        self._memo.clear()
         self._samples.clear()
         self._ratio.clear()
         self._line.clear()

@@ -21,6 +21,31 @@ def test_unexplored_lists_choices_short_of_samples_cheapest_first():
     assert unexplored(live, 1, None, 0) == []
 
 
+def test_a_choice_sampled_only_far_from_the_current_context_is_probed_again():
+    """Before the shared slope is fitted, a window timed only at 1,500 tokens of context says nothing
+    of the price at 100: the choice is due again there until MIN_END_SAMPLES samples lie near it."""
+    from workers.speculation.step_times import MIN_END_SAMPLES, NEAR_CONTEXT
+
+    live = LiveStepCosts(SEED)
+    for _ in range(8):
+        live.observe(1, None, 0.010, context=100)
+        live.observe(1, (1, 2), 0.030, context=1500)
+    live.at_context(1500)
+    assert unexplored(live, 1, None, 2) == [(2, 2), (4, 4)]  # never sampled
+    live.at_context(1500 - NEAR_CONTEXT)  # near enough
+    assert (1, 2) not in unexplored(live, 1, None, 2)
+    live.at_context(100)
+    assert not live.covers_context(1, (1, 2)) and live.covers_context(1, None)
+    assert (1, 2) in unexplored(live, 1, None, 2) and None not in unexplored(live, 1, (1, 2), 2)
+    for i in range(MIN_END_SAMPLES):
+        assert (1, 2) in unexplored(live, 1, None, 2)
+        live.observe(1, (1, 2), 0.013, context=100 + i)
+    assert (1, 2) not in unexplored(live, 1, None, 2)
+    assert live.t_spec(1, (1, 2)) < 0.015  # the window's own line, read at 100
+    live.at_context(None)  # no context: medians, whatever the contexts sampled
+    assert live.covers_context(1, (1, 2))
+
+
 def test_the_budget_keeps_probes_to_their_fraction_of_the_time():
     budget = ProbeBudget(0.1)
     assert not budget.affords(0.01)  # nothing served yet

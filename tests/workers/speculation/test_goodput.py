@@ -58,8 +58,24 @@ def test_low_live_acceptance_turns_speculation_down_by_itself():
     assert taus[(1, 2)] == pytest.approx(1 + 0.65 * 0.2 / 1.2)
     assert best_choice(COSTS, 1, taus).shape is None
     easy = live_taus(COSTS, (1, 2), 2.0)  # easier than calibration: speculation pays at larger batches
+    assert easy == {(1, 2): 2.0, (4, 4): pytest.approx(2.0 + 2.20 - 1.65)}  # the same surplus for every shape
     assert best_choice(COSTS, 16, easy).shape == (1, 2)
     assert best_choice(COSTS, 16, dict(COSTS.tokens_per_step)).shape is None
+
+
+def test_a_surplus_over_calibration_is_not_scaled_up_for_larger_trees():
+    """Traffic that copies from its context is accepted by the prompt-lookup beam whatever the tree:
+    a 1x2 tree at 4 tokens per step (calibration 1.65) says the 4x4 tree gains the same 2.35 tokens
+    (4.55), not 4.6 times its calibrated 1.2 drafted tokens (6.5); so at batch 1 the 4x4 tree's
+    slower step no longer buys its way in. Below calibration, accepted drafts still scale alike."""
+    taus = live_taus(COSTS, (1, 2), 4.0)
+    assert taus[(4, 4)] == pytest.approx(4.55)
+    assert best_choice(COSTS, 1, taus).shape == (1, 2)  # 4.55 / 45 ms < 4.0 / 36 ms
+    scaled = {s: 1 + (t - 1) * 3.0 / 0.65 for s, t in COSTS.tokens_per_step.items()}
+    assert best_choice(COSTS, 1, scaled).shape == (4, 4)  # what scaling up chose
+    assert live_taus(COSTS, (1, 2), 1.65) == COSTS.tokens_per_step  # at calibration: calibration
+    hard = live_taus(COSTS, (4, 4), 1.6)
+    assert hard[(1, 2)] == pytest.approx(1 + 0.65 * 0.6 / 1.2)
 
 
 def test_calibration_json_round_trip_and_errors(tmp_path):
@@ -173,27 +189,37 @@ def test_request_below_break_even_decodes_plain_and_probes():
 
 
 def test_a_request_held_plain_by_its_own_probes_does_not_drag_the_replica_to_plain():
-    """At batch 1 a request that accepts nothing decodes plain on its own estimate and drafts every
-    ``probe_interval``-th step. Those per-request probes are ordinary drafted steps of the replica:
-    they weigh ``ema_alpha`` in its estimate, not ``probe_weight`` (which belongs to the replica's
-    own probes after a plain stretch). Before, each weighed 0.25: two of them took the replica plain
-    (measured on the AMX Xeon: the next request, accepting well, then began plain)."""
+    """In a batch (a request alone drafts whenever the replica chose a tree: its choice already rests
+    on that request's acceptance), a request that accepts nothing decodes plain on its own estimate
+    and drafts every ``probe_interval``-th step. Those per-request probes are ordinary drafted steps
+    of the replica: they weigh ``ema_alpha`` in its estimate, not ``probe_weight`` (which belongs to
+    the replica's own probes after a plain stretch). Before, each weighed 0.25: two of them took the
+    replica plain (measured on the AMX Xeon: the next request, accepting well, then began plain)."""
+    b = 2
     c = SpecController(COSTS)
     hard = c.new_request_state()
     shapes = []
     for _ in range(60):
-        shape = c.shape_for(1)
-        drafts = shape is not None and c.drafts(hard, 1, shape)
+        shape = c.shape_for(b)
+        drafts = shape is not None and c.drafts(hard, b, shape)
         c.observe(hard, shape, drafts, 0)
         shapes.append(shape)
-    assert hard.tau < break_even_tau(COSTS, 1, (1, 2))  # the request itself decodes plain...
+    assert hard.tau < break_even_tau(COSTS, b, (1, 2))  # the request itself decodes plain...
     assert shapes[-1] is not None and c.current is not None  # ...the replica still speculates
     taus = c.taus()
-    assert rate_of_shape(taus, c.current) > plain_rate(COSTS, 1)
+    assert spec_rate(COSTS, b, c.current, taus[c.current]) > plain_rate(COSTS, b)
 
 
-def rate_of_shape(taus, shape):
-    return spec_rate(COSTS, 1, shape, taus[shape])
+def test_a_request_alone_drafts_whenever_the_replica_chose_a_tree():
+    """At batch 1 the per-request gate stands aside (the replica's estimate is the lone request's);
+    at batch 2 the same request, accepting nothing, decodes plain between its probes."""
+    c = SpecController(COSTS, ControllerSettings(probe_interval=4))
+    state = c.new_request_state()
+    for _ in range(8):
+        c.observe(state, (1, 2), True, 0)
+    assert state.tau < break_even_tau(COSTS, 2, (1, 2))
+    assert all(c.drafts(state, 1, (1, 2)) for _ in range(4))
+    assert not c.drafts(state, 2, (1, 2))
 
 
 def test_the_controller_reports_no_tau_before_its_first_iteration():
@@ -228,11 +254,13 @@ def test_a_request_is_priced_with_its_own_lookup_rows():
     """Two requests accepting the same tokens per step: one whose trees carry 4 prompt-lookup rows
     (it copies from its context) and one whose trees carry none. Priced with the replica's average
     rows both decode alike; priced with their own (EPYC AVX2 at batch 1: a 1x1 step 1.45x plain
-    without lookup rows, 2.8x with them) the one without rows drafts and the other decodes plain."""
+    without lookup rows, 2.8x with them) the one without rows drafts and the other decodes plain. In a
+batch of two: a request alone drafts whenever the replica chose a tree."""
     from workers.speculation.step_times import nominal_rows
 
-    seed = StepCosts(plain_s={1: 0.005}, spec_s={(1, 1): {1: 0.007}, (1, 2): {1: 0.009}},
-                     tokens_per_step={(1, 1): 1.7, (1, 2): 1.9})  # 2 ms per tree row
+    b = 2
+    seed = StepCosts(plain_s={1: 0.005, b: 0.006}, spec_s={(1, 1): {1: 0.007, b: 0.009}, (1, 2): {1: 0.009, b: 0.011}},
+                     tokens_per_step={(1, 1): 1.7, (1, 2): 1.9})  # 2 ms per tree row of a request
     c = SpecController(seed, ControllerSettings(request_ema_alpha=0.5, probe_interval=100))
     copies, plain_text = c.new_request_state(), c.new_request_state()
     for _ in range(12):  # 2 tokens per step each
@@ -240,11 +268,11 @@ def test_a_request_is_priced_with_its_own_lookup_rows():
             c.observe(state, (1, 1), True, 1, rows)
     assert copies.extra_rows == 4 and plain_text.extra_rows == 0
     assert copies.tau == pytest.approx(2.0, abs=0.01) and plain_text.tau == pytest.approx(2.0, abs=0.01)
-    # break-even: 7 / 5 = 1.4 tokens per step without lookup rows, (7 + 4 * 2) / 5 = 3.0 with them
-    assert c.drafts(plain_text, 1, (1, 1)) and not c.drafts(copies, 1, (1, 1))
+    # break-even at b: 9 / 6 = 1.5 tokens per step without lookup rows, (9 + 4 * 2) / 6 = 2.8 with them
+    assert c.drafts(plain_text, b, (1, 1)) and not c.drafts(copies, b, (1, 1))
     unknown = c.new_request_state()  # no drafted step yet: the replica's average rows price it
     c.costs.extra_rows = 4.0
-    assert c.drafts(unknown, 1, (1, 1)) == (c.taus()[(1, 1)] >= break_even_tau(c.costs, 1, (1, 1)))
+    assert c.drafts(unknown, b, (1, 1)) == (c.taus()[(1, 1)] >= break_even_tau(c.costs, b, (1, 1)))
     c.observe(unknown, None, False, 0, 1)  # a plain step reports no tree rows
     assert unknown.extra_rows is None
 

@@ -235,3 +235,23 @@ def test_trees_ordered_only_by_better_sampled_peers_and_never_by_merged_ones():
         merged.observe(1, (2, 2), 0.006, rows=3)
     merged.observe(1, (1, 1), 0.008)
     assert merged.ratio(1, (1, 1)) == pytest.approx(1.0)
+
+
+def test_a_read_follows_every_sample_and_context_change():
+    """Reads are kept per (bucket, choice) between changes (a tree's read computes its peers'): a
+    new sample, a new context and a reseed each give a fresh read."""
+    live = LiveStepCosts(SEED)
+    for ctx in (100, 120, 140, 400, 420, 440):
+        live.observe(1, (2, 2), 0.020 * (1 + ctx / 400), context=ctx)
+    live.at_context(100)
+    short = live.t_spec(1, (2, 2))
+    assert live.t_spec(1, (2, 2)) == short
+    live.at_context(440)
+    assert live.t_spec(1, (2, 2)) > short
+    live.observe(1, None, 0.010, context=440)
+    plain = live.t_plain(1)
+    live.observe(1, None, 0.030, context=440)
+    live.observe(1, None, 0.030, context=440)
+    assert live.t_plain(1) > plain
+    live.reseed(SEED)
+    assert live.t_spec(1, (2, 2)) == SEED.t_spec(1, (2, 2))
