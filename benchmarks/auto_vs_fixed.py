@@ -35,6 +35,7 @@ from collections import Counter
 
 from tqdm import tqdm
 
+from bench_loop import closed_loop
 from bench_prompts import chat_rows_or_exit, positive
 from bench_report import write_report
 from bench_spec import fixed_speculation
@@ -73,22 +74,11 @@ def count_shapes(engine, by_batch: Counter | None = None) -> Counter:
 
 def run_closed_loop(engine, mode: str, prompts: list[list[int]], params: SamplingParams,
                     concurrency: int) -> tuple[list[list[int]], int]:
-    """Decode ``prompts`` on ``engine`` with ``concurrency`` requests in flight (the next joins as one
-    finishes). Returns each prompt's output tokens and the completion tokens in all."""
-    outputs: list[list[int]] = [[] for _ in prompts]
-    pending, running, tokens = list(range(len(prompts)))[::-1], 0, 0
-    while pending or running:
-        while pending and running < concurrency:
-            i = pending.pop()
-            engine.add_request(f"r{i}", prompts[i], params, mode)
-            running += 1
-        for d in engine.step():
-            i = int(d.request_id[1:])
-            outputs[i] += d.token_ids
-            if d.finished:
-                running -= 1
-                tokens += d.completion_tokens
-    return outputs, tokens
+    """Decode ``prompts`` on ``engine`` with ``concurrency`` requests in flight (:func:`bench_loop.closed_loop`).
+    Returns each prompt's output tokens and the completion tokens in all."""
+    run = closed_loop(engine, len(prompts), concurrency,
+                      lambda rid, i, _: engine.add_request(rid, prompts[i], params, mode))
+    return run.outputs, run.completion_tokens
 
 
 def batch_shape_text(by_batch: Counter) -> str:

@@ -20,9 +20,9 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
+from bench_loop import closed_loop
 from bench_report import write_report
 
 from cluster.config import load_config
@@ -33,25 +33,14 @@ from workers.sampling_params import SamplingParams
 from workers.training.prompt_sources import first_per_category
 
 
-def closed_loop(engine, ids: list[list[int]], num_requests: int, concurrency: int, mode: str, max_tokens: int,
-                ignore_eos: bool, tag: str) -> float:
-    """Output tokens/s of ``num_requests`` requests, ``concurrency`` in flight, each added when one ends."""
-    issued = done = tokens = 0
-    live: set[str] = set()
+def loop_tokens_per_s(engine, ids: list[list[int]], num_requests: int, concurrency: int, mode: str,
+                      max_tokens: int, ignore_eos: bool, tag: str) -> float:
+    """Output tokens/s of ``num_requests`` requests, ``concurrency`` in flight, each added when one ends
+    (:func:`bench_loop.closed_loop`; request ids ``tag``-index)."""
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos)
-    t0 = time.perf_counter()
-    while done < num_requests:
-        while len(live) < concurrency and issued < num_requests:
-            rid = f"{tag}-{issued}"
-            engine.add_request(rid, ids[issued % len(ids)], params, mode)
-            live.add(rid)
-            issued += 1
-        for d in engine.step():
-            tokens += len(d.token_ids)
-            if d.finished:
-                live.discard(d.request_id)
-                done += 1
-    return tokens / (time.perf_counter() - t0)
+    return closed_loop(engine, num_requests, concurrency,
+                       lambda rid, i, _: engine.add_request(rid, ids[i % len(ids)], params, mode),
+                       prefix=f"{tag}-").tokens_per_s
 
 
 def main() -> None:
@@ -100,14 +89,14 @@ def main() -> None:
     default = engine.runner.split_mixed
     ignore_eos = not args.stop_at_eos
     for c in levels:  # warm-up, uncounted
-        closed_loop(engine, ids, min(args.num_requests, 2 * c), c, args.mode, 8, ignore_eos, f"warm{c}")
+        loop_tokens_per_s(engine, ids, min(args.num_requests, 2 * c), c, args.mode, 8, ignore_eos, f"warm{c}")
     runs: dict[str, dict[str, list[float]]] = {}
     try:
         for rnd in range(args.rounds):
             for c in levels:
                 for split in (False, True):
                     engine.runner.split_mixed = split
-                    tps = closed_loop(engine, ids, args.num_requests, c, args.mode, args.max_tokens, ignore_eos,
+                    tps = loop_tokens_per_s(engine, ids, args.num_requests, c, args.mode, args.max_tokens, ignore_eos,
                                       f"r{rnd}c{c}{split}")
                     runs.setdefault(str(c), {}).setdefault("apart" if split else "joint", []).append(tps)
                     print(f"round {rnd + 1}, {c} concurrent, {'two forwards' if split else 'one forward'}: "

@@ -37,6 +37,7 @@ import time
 from pathlib import Path
 
 import httpx
+from bench_loop import closed_loop
 from bench_prompts import DATASETS, add_load_options, chat_prompts
 from bench_report import write_report
 
@@ -66,37 +67,19 @@ def replica_mode(engine: Engine, spec_cfg: SpeculationConfig, requested: str | N
 
 def engine_closed_loop(engine: Engine, prompts: list[list[int]], num_requests: int, concurrency: int,
                        mode: str, max_tokens: int, spec_cfg: SpeculationConfig) -> dict:
-    """Closed loop on the engine itself: ``concurrency`` requests in flight, each given the engine mode
-    the serving replica would give a request with ``rdserve.mode`` ``mode`` (:func:`replica_mode`; ``"default"``:
-    none sent); returns tokens/s and TTFTs."""
+    """Closed loop on the engine itself (:func:`bench_loop.closed_loop`): ``concurrency`` requests in
+    flight, each given the engine mode the serving replica would give a request with ``rdserve.mode``
+    ``mode`` (:func:`replica_mode`; ``"default"``: none sent); returns tokens/s and TTFTs."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     requested = None if mode == "default" else mode
-    start, first, tokens = {}, {}, 0
-    issued = done = 0
-    t0 = time.perf_counter()
 
-    def issue() -> None:
-        nonlocal issued
-        rid = f"r{issued}"
-        start[rid] = time.perf_counter()
-        engine_mode, force_draft = replica_mode(engine, spec_cfg, requested, issued - done + 1)
-        engine.add_request(rid, prompts[issued % len(prompts)], params, engine_mode, force_draft)
-        issued += 1
+    def add(rid: str, i: int, in_flight: int) -> None:
+        engine_mode, force_draft = replica_mode(engine, spec_cfg, requested, in_flight)
+        engine.add_request(rid, prompts[i % len(prompts)], params, engine_mode, force_draft)
 
-    while issued < min(concurrency, num_requests):
-        issue()
-    while done < num_requests:
-        for d in engine.step():
-            if d.token_ids and d.request_id not in first:
-                first[d.request_id] = time.perf_counter() - start[d.request_id]
-            if d.finished:
-                done += 1
-                tokens += d.completion_tokens
-                if issued < num_requests:
-                    issue()
-    wall = time.perf_counter() - t0
-    return {"output_tokens": tokens, "duration_s": wall, "output_throughput": tokens / wall,
-            "ttft_p50_ms": 1e3 * statistics.median(first.values())}
+    run = closed_loop(engine, num_requests, concurrency, add)
+    return {"output_tokens": run.completion_tokens, "duration_s": run.wall_s, "output_throughput": run.tokens_per_s,
+            "ttft_p50_ms": 1e3 * statistics.median(run.ttft_s.values())}
 
 
 def engine_ttft(engine: Engine, runs: int) -> list[float]:
