@@ -63,8 +63,14 @@ def main() -> None:
         levels = []
     if not levels:
         ap.error(f"--concurrency takes comma-separated integers, got {args.concurrency!r}")
-    if not levels or min(levels) < 1 or args.num_requests < 1 or args.rounds < 1 or args.max_tokens < 1:
-        ap.error("--concurrency, --num-requests, --rounds and --max-tokens must be positive")
+    if min(levels) < 1:
+        ap.error(f"--concurrency levels must be >= 1, got {args.concurrency!r}")
+    for name in ("num_requests", "rounds", "max_tokens"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if max(levels) > args.num_requests:
+        ap.error(f"--concurrency {max(levels)} is more than --num-requests {args.num_requests}: "
+                 "at most that many would ever be in flight")
 
     try:  # the prompts first: a bad file fails before the model loads
         rows = [json.loads(line) for line in Path(args.prompts).read_text().splitlines() if line.strip()]
@@ -106,6 +112,8 @@ def main() -> None:
     head = (f"CPU {cpu_model()}, compute path {engine.compute_path}, prefill {engine.prefill_dtype}; "
             f"{args.num_requests} requests x {args.max_tokens} tokens ({'EOS ends answers' if args.stop_at_eos else 'EOS ignored'}), "
             f"mode {args.mode}, closed loop, median of {args.rounds} alternating rounds")
+    if not default:
+        head += "; this engine runs mixed iterations as one forward either way: the columns differ by noise only"
     lines = [head, "", "| concurrency | one forward tok/s | two forwards tok/s | two / one |", "|---|---|---|---|"]
     table = {}
     for c, r in runs.items():

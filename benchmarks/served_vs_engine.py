@@ -44,7 +44,7 @@ from bench_report import write_report
 from cluster.config import SpeculationConfig, load_config
 from cluster.replica.spec_mode import choose_mode
 from cluster.evaluation.loadgen import LoadSpec, run_load
-from cluster.evaluation.prompts import PromptRow
+from cluster.evaluation.prompts import PromptFileError, PromptRow
 from cluster.replica.build import build_engine
 from workers.engine import Engine
 from workers.sampling_params import SamplingParams
@@ -206,7 +206,7 @@ def main() -> None:
     ap.add_argument("--ttft-only", action="store_true", help="measure only the low-load TTFT (no throughput runs)")
     ap.add_argument("--out", default="benchmarks/results/served_vs_engine", help="output path without suffix")
     args = ap.parse_args()
-    for name in ("num_prompts", "ttft_runs", "rounds"):
+    for name in ("num_prompts", "max_tokens", "ttft_runs", "rounds"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     try:
@@ -219,9 +219,14 @@ def main() -> None:
     if bad := [m for m in modes if m not in ("plain", "spec", "auto", "default")]:
         ap.error(f"--modes: {bad} not among plain, spec, auto, default (none sent)")
 
+    try:  # the prompts first: a bad file fails before the server starts
+        rows = chat_prompts(args.prompts, args.num_prompts)
+    except PromptFileError as err:
+        ap.error(f"--prompts: {err}")
+    if not rows:
+        ap.error(f"--prompts {args.prompts}: no chat rows (with 'messages')")
     cfg = load_config(args.config)
     base_url = f"http://127.0.0.1:{cfg.serve.port}"
-    rows = chat_prompts(args.prompts, args.num_prompts)
     results: dict = {"engine": {}, "served": {}}
 
     proc = start_server(args.config, base_url)  # first, so the engine below is built after Ray's start-up

@@ -231,6 +231,7 @@ def generate(
         engine = build_engine(with_model_dir(cfg))
     except ConfigError as err:  # what the model allows (a pulled default model is read only here)
         exit_config_error(err)
+    err_console.print(f"[dim]{speculation_line(engine.spec_selection, engine.compute_path)}[/dim]", highlight=False)
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed)
     try:
         for where, item in items:
@@ -248,6 +249,18 @@ def generate(
                               f"{result['mode']}, finish {result['finish_reason']})[/dim]")
     finally:
         engine.close()  # a tensor-parallel engine shuts its MPI ranks down
+
+
+def speculation_line(selected, compute_path: str) -> str:
+    """One line for the start of ``rdserve generate``: the speculation settings in effect and, for a
+    calibration, whether its step times are trusted here (a file of another compute path or code
+    version is only a seed: the engine measures its own at start, and a warning says why)."""
+    line = f"speculation policy: {selected.source} (compute path {compute_path})"
+    if selected.measure_at_start:
+        return line + "; step times measured at start (the calibration is not of this engine)"
+    if selected.source.endswith(".calibration"):
+        return line + "; the calibration's step times are trusted (same compute path and code version)"
+    return line
 
 
 def _read_prompts(path: Path) -> list[tuple[str, dict]]:

@@ -192,3 +192,17 @@ def test_generate_max_seq_len_beyond_the_models_positions_is_a_config_error(tiny
         assert result.exit_code == 2, result.output
         assert "config error" in result.output and "engine.max_seq_len: 4096" in result.output
         assert "max_position_embeddings 1024" in result.output
+
+
+def test_generate_says_where_its_step_times_come_from():
+    """The start-up line names the speculation settings and whether a calibration is trusted here."""
+    from cluster.cli.main import speculation_line
+    from workers.speculation.policy import SelectedPolicy
+
+    source = "speculation.by_compute_path.gguf-avx2-int8.calibration"
+    trusted = speculation_line(SelectedPolicy(None, source), "gguf-avx2-int8")
+    assert source in trusted and "gguf-avx2-int8" in trusted and "trusted" in trusted
+    measured = speculation_line(SelectedPolicy(None, source, measure_at_start=True), "gguf-avx2-int8")
+    assert "measured at start" in measured and "trusted" not in measured
+    fixed = speculation_line(SelectedPolicy(None, "speculation.table"), "cpu-float32")
+    assert "trusted" not in fixed and "measured" not in fixed
