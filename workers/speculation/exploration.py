@@ -48,12 +48,17 @@ def unexplored(costs: LiveStepCosts, b: int, exclude: Choice, min_samples: int,
     """Choices (None: plain, or a shape) other than ``exclude`` with fewer than ``min_samples`` live
     samples at ``b``'s bucket, or (``refresh`` given) a newest sample there older than ``refresh``
     samples, or samples there that do not cover ``costs``' current context (``covers_context``);
-    cheapest estimated step first (ties: plain, then the smaller tree)."""
-    def due(c: Choice) -> bool:
-        if costs.samples(b, c) < min_samples or not costs.covers_context(b, c):
-            return True
+    those short of samples or stale first (a cheap choice whose window keeps falling behind a growing
+    context must not take every probe from a stale one), then those only far from the context;
+    within each, cheapest estimated step first (ties: plain, then the smaller tree)."""
+    def due(c: Choice) -> int | None:
+        """0: too few samples or only old ones; 1: samples only far from the current context; None: not due."""
+        if costs.samples(b, c) < min_samples:
+            return 0
         age = costs.age(b, c)
-        return refresh is not None and age is not None and age > refresh
+        if refresh is not None and age is not None and age > refresh:
+            return 0
+        return None if costs.covers_context(b, c) else 1
     choices: list[Choice] = [None, *costs.shapes]
-    waiting = [c for c in choices if c != exclude and due(c)]
-    return sorted(waiting, key=lambda c: (costs.probe_t(b, c), c is not None, c[0] * c[1] if c else 0))
+    waiting = {c: d for c in choices if c != exclude and (d := due(c)) is not None}
+    return sorted(waiting, key=lambda c: (waiting[c], costs.probe_t(b, c), c is not None, c[0] * c[1] if c else 0))

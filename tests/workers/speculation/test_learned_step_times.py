@@ -222,3 +222,35 @@ def test_steps_on_a_probed_thread_count_are_not_step_time_samples():
             c.observe_step((1, 1), 1, 1, 0, 3 * TRUE.t_spec(1, (1, 1)), None, None, timed=timed)
         assert (c.costs.t_spec(1, (1, 1)) > 2 * TRUE.t_spec(1, (1, 1))) == moves, timed
         assert (c.costs.samples(1, (1, 1)) > 0) == moves
+
+
+def test_a_choice_timed_slow_early_is_re_timed_while_a_lone_request_grows_its_context():
+    """Batch 1, step costs flat in the context, one long request whose context grows with every token.
+    1x2 pays most (1.71 / 7.2 ms against 1.55 / 7.0 for 1x1) but its first 300 steps ran 1.6x slow.
+    The shared slope fits at 0 here; read as "unfitted", plain's window (always behind the growing
+    context) stayed uncovered and, cheapest, took every exploration probe, so 1x2 was never re-timed
+    (still on 1x1 after 20,000 iterations; found by a helper's review). Now a fitted 0 carries prices
+    across contexts, and stale choices are probed before ones only far from the context."""
+    taus = {(1, 1): 1.55, (1, 2): 1.71, (2, 2): 1.91, (4, 4): 2.24}
+    true = {None: 0.0055, (1, 1): 0.007, (1, 2): 0.0072, (2, 2): 0.010, (4, 4): 0.018}
+    c = SpecController(StepCosts(plain_s={1: true[None]}, spec_s={s: {1: true[s]} for s in taus}, tokens_per_step=taus))
+    state, carry, ctx = c.new_request_state(), {s: 0.0 for s in taus}, 100.0
+    settled = None
+    for it in range(4000):
+        c.observe_context(ctx)
+        shape = c.shape_for(1)
+        drafts = shape is not None and c.drafts(state, 1, shape)
+        accepted = 0
+        if drafts:
+            carry[shape] += taus[shape] - 1
+            accepted = int(carry[shape])
+            carry[shape] -= accepted
+        c.observe(state, shape, drafts, accepted)
+        choice = shape if drafts else None
+        c.observe_step(shape, 1, int(drafts), int(not drafts), true[choice] * (1.6 if choice == (1, 2) and it < 300 else 1),
+                       ctx)
+        ctx += 1 + accepted
+        if c.current == (1, 2) and settled is None:
+            settled = it
+    assert settled is not None and settled < 2000, settled
+    assert c.current == (1, 2)
