@@ -174,6 +174,33 @@ def test_the_first_step_after_a_switch_does_not_price_a_choice():
     assert controller.costs.t(b, controller.current) == pytest.approx(TRUE.t_spec(b, controller.current), rel=0.02)
 
 
+class Acceptance:
+    """Draft tokens a request accepts per drafted step of each shape: ``taus[shape] - 1`` on average,
+    as whole tokens (the fraction carried to the shape's next step)."""
+
+    def __init__(self, taus):
+        self.taus, self.carry = taus, {s: 0.0 for s in taus}
+
+    def __call__(self, shape) -> int:
+        self.carry[shape] += self.taus[shape] - 1
+        accepted = int(self.carry[shape])
+        self.carry[shape] -= accepted
+        return accepted
+
+
+def lone_request_step(controller, state, ctx, accept, seconds) -> int:
+    """One batch-1 iteration of a lone request at ``ctx`` context tokens: the controller picks, the
+    request drafts or not, ``accept(shape)`` gives the draft tokens it accepts and ``seconds(choice)``
+    the step's time (choice None: plain). Returns the draft tokens accepted."""
+    controller.observe_context(ctx)
+    shape = controller.shape_for(1)
+    drafts = shape is not None and controller.drafts(state, 1, shape)
+    accepted = accept(shape) if drafts else 0
+    controller.observe(state, shape, drafts, accepted)
+    controller.observe_step(shape, 1, int(drafts), int(not drafts), seconds(shape if drafts else None), ctx)
+    return accepted
+
+
 def test_the_choice_follows_the_context_of_the_traffic():
     """A tree step grows with context faster than a plain step (tree rows attend too): on the AMX
     Xeon ~9.8 ms per 1,000 context tokens against ~3.4 ms (BENCHMARKS.md 14). With traffic that
@@ -190,21 +217,12 @@ def test_the_choice_follows_the_context_of_the_traffic():
     seed = StepCosts(plain_s={1: true_s(None, 100)}, spec_s={tree: {1: true_s(tree, 100)}},
                      tokens_per_step={tree: 1.9})
     controller = SpecController(seed)
-    state = controller.new_request_state()
-    carry, wrong = 0.0, {100: 0, 1500: 0}
+    state, accept = controller.new_request_state(), Acceptance({tree: 1.9})
+    wrong = {100: 0, 1500: 0}
     for cycle in range(6):
         for ctx, right in ((100, tree), (1500, None)):
             for i in range(400):
-                controller.observe_context(ctx)
-                shape = controller.shape_for(1)
-                drafts = shape is not None and controller.drafts(state, 1, shape)
-                accepted = 0
-                if drafts:
-                    carry += 0.9
-                    accepted, carry = int(carry), carry - int(carry)
-                controller.observe(state, shape, drafts, accepted)
-                controller.observe_step(shape, 1, int(drafts), int(not drafts), true_s(shape if drafts else None, ctx),
-                                        ctx)
+                lone_request_step(controller, state, ctx, accept, lambda choice: true_s(choice, ctx))
                 if cycle >= 2 and i >= 50:  # after the first cycles, and a phase's first 50 iterations
                     wrong[ctx] += controller.current != right
     assert wrong[100] <= 0.05 * 4 * 350 and wrong[1500] <= 0.05 * 4 * 350, wrong
@@ -234,22 +252,11 @@ def test_a_choice_timed_slow_early_is_re_timed_while_a_lone_request_grows_its_co
     taus = {(1, 1): 1.55, (1, 2): 1.71, (2, 2): 1.91, (4, 4): 2.24}
     true = {None: 0.0055, (1, 1): 0.007, (1, 2): 0.0072, (2, 2): 0.010, (4, 4): 0.018}
     c = SpecController(StepCosts(plain_s={1: true[None]}, spec_s={s: {1: true[s]} for s in taus}, tokens_per_step=taus))
-    state, carry, ctx = c.new_request_state(), {s: 0.0 for s in taus}, 100.0
+    state, accept, ctx = c.new_request_state(), Acceptance(taus), 100.0
     settled = None
     for it in range(4000):
-        c.observe_context(ctx)
-        shape = c.shape_for(1)
-        drafts = shape is not None and c.drafts(state, 1, shape)
-        accepted = 0
-        if drafts:
-            carry[shape] += taus[shape] - 1
-            accepted = int(carry[shape])
-            carry[shape] -= accepted
-        c.observe(state, shape, drafts, accepted)
-        choice = shape if drafts else None
-        c.observe_step(shape, 1, int(drafts), int(not drafts), true[choice] * (1.6 if choice == (1, 2) and it < 300 else 1),
-                       ctx)
-        ctx += 1 + accepted
+        ctx += 1 + lone_request_step(c, state, ctx, accept,
+                                     lambda choice: true[choice] * (1.6 if choice == (1, 2) and it < 300 else 1))
         if c.current == (1, 2) and settled is None:
             settled = it
     assert settled is not None and settled < 2000, settled
