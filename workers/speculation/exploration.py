@@ -10,8 +10,9 @@ samples at the current batch-size bucket, or whose newest sample there is older 
 samples (a step time measured while the replica warmed up or shared its cores must not decide for
 good), or whose samples there all lie far from the current context
 (:meth:`workers.speculation.step_times.LiveStepCosts.covers_context`: a price read far from where it
-was measured must not decide for good either): the cheapest such choice first, and only while the time spent in probes stays within
-``fraction`` of all generation time (:class:`ProbeBudget`).
+was measured must not decide for good either). Choices short of samples or stale go before those
+only far from the context (:func:`unexplored` says the order within each), and a probe runs only
+while the time spent in probes stays within ``fraction`` of all generation time (:class:`ProbeBudget`).
 """
 
 from __future__ import annotations
@@ -49,8 +50,11 @@ def unexplored(costs: LiveStepCosts, b: int, exclude: Choice, min_samples: int,
     samples at ``b``'s bucket, or (``refresh`` given) a newest sample there older than ``refresh``
     samples, or samples there that do not cover ``costs``' current context (``covers_context``);
     those short of samples or stale first (a cheap choice whose window keeps falling behind a growing
-    context must not take every probe from a stale one), then those only far from the context;
-    within each, cheapest estimated step first (ties: plain, then the smaller tree)."""
+    context must not take every probe from a stale one), cheapest estimated step first (ties: plain,
+    then the smaller tree); then those only far from the context, the one sampled longest ago first
+    (then the cheapest): while the shared slope is unfitted, a lone request's context outgrows every
+    window within ~:data:`workers.speculation.step_times.NEAR_CONTEXT` steps, and cheapest-first gave
+    plain's window every probe while the trees' prices stayed where the context had been."""
     def due(c: Choice) -> int | None:
         """0: too few samples or only old ones; 1: samples only far from the current context; None: not due."""
         if costs.samples(b, c) < min_samples:
@@ -61,4 +65,7 @@ def unexplored(costs: LiveStepCosts, b: int, exclude: Choice, min_samples: int,
         return None if costs.covers_context(b, c) else 1
     choices: list[Choice] = [None, *costs.shapes]
     waiting = {c: d for c in choices if c != exclude and (d := due(c)) is not None}
-    return sorted(waiting, key=lambda c: (waiting[c], costs.probe_t(b, c), c is not None, c[0] * c[1] if c else 0))
+    def order(c: Choice) -> tuple:
+        oldest_first = -(costs.age(b, c) or 0) if waiting[c] == 1 else 0
+        return waiting[c], oldest_first, costs.probe_t(b, c), c is not None, c[0] * c[1] if c else 0
+    return sorted(waiting, key=order)

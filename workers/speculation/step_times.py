@@ -219,9 +219,9 @@ class LiveStepCosts:
         True with no context set, once the shared relative slope is fitted (it carries a price across
         contexts; a slope fitted at 0 says the context does not move the price: a lone request's
         context grows with every step, and with a fitted 0 read as unfitted, plain's window fell
-        behind faster than probes could fill it and took every probe), or when at least :data:`MIN_END_SAMPLES` of the window's samples (all of them, in a
-        smaller window) lie within :data:`NEAR_CONTEXT` tokens of it or have no context; False for
-        a window never sampled."""
+        behind faster than probes could fill it and took every probe), or when at least
+        :data:`MIN_END_SAMPLES` of the window's samples (all of them, in a smaller window) lie within
+        :data:`NEAR_CONTEXT` tokens of it or have no context; False for a window never sampled."""
         if self.context is None or self._k is not None:
             return True
         window = self._samples.get((batch_bucket(b), choice))

@@ -55,3 +55,20 @@ def test_the_budget_keeps_probes_to_their_fraction_of_the_time():
     budget.record(0.01, probe=True)
     assert not budget.affords(0.01) and budget.spent_s == 0.01
     assert not ProbeBudget(0.0).affords(1e-9)
+
+
+def test_choices_only_far_from_the_context_take_probes_in_turn_not_cheapest_first():
+    """Plain, the cheapest, re-timed near a lone request's growing context is still short of
+    MIN_END_SAMPLES there: the trees, sampled longer ago, go before it; among those the oldest first."""
+    live = LiveStepCosts(SEED)
+    for shape in (None, (1, 2), (2, 2), (4, 4)):
+        for _ in range(4):
+            live.observe(1, shape, live.seed_t(1, shape), context=100)
+    live.at_context(1000)
+    assert live._k is None  # every sample at one context: no slope to carry prices across
+    assert unexplored(live, 1, (1, 2), 2, refresh=512) == [None, (2, 2), (4, 4)]  # equal age: cheapest first
+    live.observe(1, None, 0.010, context=1000)  # plain's probe: one sample near, still far by the rule
+    assert not live.covers_context(1, None)
+    assert unexplored(live, 1, (1, 2), 2, refresh=512) == [(2, 2), (4, 4), None]
+    live.observe(1, (4, 4), 0.030, context=1000)
+    assert unexplored(live, 1, (1, 2), 2, refresh=512) == [(2, 2), None, (4, 4)]
