@@ -328,8 +328,9 @@ class Engine:
             plain = sum(1 for n in limits.values() if n == 0)
             context = sum(s.num_tokens for s in plan.generation) / max(len(plan.generation), 1)
             rows = sum(r.num_rows for r in results if r.generation_step)
+            emitted = sum(len(r.tokens) for r in results if r.generation_step)
             self.spec_policy.observe_step(plan.spec_shape, len(plan.generation), full, plain, seconds, context, rows,
-                                          timed=settled)
+                                          timed=settled, tokens=emitted)
         if stats:
             stats.on_iteration(len(plan.context), len(plan.generation), plan.spec_shape, len(plan.preempted),
                                seconds)

@@ -38,21 +38,34 @@ The engine asks every iteration, for the number of generation requests ``b``:
   right after plain steps took 15.4 ms against ~9 ms in a run of them, and trees probed one iteration
   at a time were all timed that way, so the model judged them 1.5-2x too slow (BENCHMARKS.md 14).
   So every probe lasts two iterations, and only the second is a sample.
+- What a choice delivers caps what the model expects of it, from 2 requests up: the tokens/s of its
+  last steady iterations at the bucket (tokens emitted over seconds, :meth:`SpecController.delivered`).
+  There the per-request gate drafts only the requests whose own acceptance pays, so a tree iteration
+  is often *mixed* (some requests plain), and the model's ``b * tau / t_spec`` (``tau`` of the
+  requests that drafted, a step with every request drafting) is not what the replica gets. Traced on
+  the EPYC Zen 4 over HTTP at 5-8 concurrent requests with a start-up measurement as seed: 96% of
+  tree iterations were mixed, none of them a step-time sample, so the 1x1 tree kept its seed's 13.8
+  ms at 8 requests while its mixed steps took 20-30 ms (quartiles), and ``auto`` stayed on it
+  against plain (0.90x of forced plain; BENCHMARKS.md section 23). At batch 1 there is no gate, and the model is the
+  delivered rate's expectation.
 
 Per-request state is a :class:`RequestSpecState` the engine keeps on the request (``Sequence.spec_state``).
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from workers.redrafter.pruning import min_path_prob
 from workers.speculation.exploration import ProbeBudget, unexplored
-from workers.speculation.goodput import (Shape, StepCosts, best_choice, live_taus, plain_rate, rate_of,
-                                        spec_rate)
+from workers.speculation.goodput import Choice as Decision
+from workers.speculation.goodput import Shape, StepCosts, live_taus, plain_rate, rate_of, spec_rate
 from workers.speculation.shape import shape_text
-from workers.speculation.step_times import LiveStepCosts, nominal_rows
+from workers.speculation.step_times import Choice, LiveStepCosts, batch_bucket, nominal_rows
+
+REALIZED_SAMPLES = 4  # steady iterations of a choice at a bucket before its delivered tokens/s caps its estimate
 
 
 @dataclass(frozen=True)
@@ -135,6 +148,10 @@ class SpecController:
         self._last_drafted: int | None = None  # the iteration of the last drafted step (None: none yet)
         self._hold: tuple[Shape | None] | None = None  # a probe's choice, run once more in the next iteration
         self._last_step: tuple[int, object] | None = None  # (iteration, choice) of the last observe_step
+        # (bucket, choice) -> (iteration, tokens, seconds) of its last steady iterations, a tree's mixed
+        # ones included (delivered); the choice of the last observe_step, read that way
+        self._delivered: dict[tuple[int, Choice], deque[tuple[int, int, float]]] = {}
+        self._last_delivered: tuple[int, Choice] | None = None
 
     # -- replica level ---------------------------------------------------------------------------
 
@@ -169,11 +186,11 @@ class SpecController:
             (choice,), self._hold, self.probing = self._hold, None, True
             return choice
         taus = self.taus()
-        best = best_choice(self.costs, b, taus)
+        best = self._best(b, taus)
         if not self.started:
             self.started, self.current = True, best.shape
             return self.current
-        if best.shape != self.current and best.rate > rate_of(self.costs, b, self.current, taus) * (1 + self.settings.margin):
+        if best.shape != self.current and best.rate > self.rate(b, self.current, taus) * (1 + self.settings.margin):
             self._streak += 1  # the current choice is beaten; switch to the latest winner after patience
         else:
             self._streak = 0
@@ -181,6 +198,38 @@ class SpecController:
             self.current, self._streak, self.switches = best.shape, 0, self.switches + 1
         choice = self._maybe_probe(b) if self.current is None else self.current
         return choice if self.probing else self._explore(b, choice)
+
+    def rate(self, b: int, choice: Choice, taus: dict[Shape, float]) -> float:
+        """Expected tokens/s of ``choice`` at ``b``: the goodput model's
+        (:func:`workers.speculation.goodput.rate_of`), from 2 requests up at most what the choice
+        delivered at ``b``'s bucket (:meth:`delivered`; see the module docstring)."""
+        model = rate_of(self.costs, b, choice, taus)
+        delivered = self.delivered(b, choice) if b >= 2 else None
+        return model if delivered is None else min(model, delivered)
+
+    def delivered(self, b: int, choice: Choice) -> float | None:
+        """Tokens/s ``choice`` delivered in its last steady iterations at ``b``'s bucket (emitted tokens
+        over seconds, at most ``step_window`` iterations, none older than ``explore_refresh``
+        iterations); None with fewer than :data:`REALIZED_SAMPLES` of them."""
+        window = self._delivered.get((batch_bucket(b), choice))
+        if not window:
+            return None
+        while window and self._iteration - window[0][0] > self.settings.explore_refresh:
+            window.popleft()
+        if len(window) < REALIZED_SAMPLES:
+            return None
+        seconds = sum(s for _, _, s in window)
+        return sum(t for _, t, _ in window) / seconds if seconds > 0 else None
+
+    def _best(self, b: int, taus: dict[Shape, float]) -> Decision:
+        """The choice of the highest :meth:`rate` at ``b`` (ties: plain, then the smaller tree, as
+        :func:`workers.speculation.goodput.best_choice`)."""
+        best = Decision(None, self.rate(b, None, taus))
+        for shape in self.costs.shapes:
+            rate = self.rate(b, shape, taus)
+            if rate > best.rate:
+                best = Decision(shape, rate)
+        return best
 
     def min_draft_prob(self, b: int, shape: Shape) -> float:
         """The path probability a draft token needs to be verified in an iteration of ``b`` requests with
@@ -277,7 +326,7 @@ class SpecController:
 
     def observe_step(self, shape: Shape | None, num_generation: int, num_full_trees: int, num_plain: int,
                      seconds: float, context: float | None = None, rows: int | None = None,
-                     timed: bool = True) -> None:
+                     timed: bool = True, tokens: int | None = None) -> None:
         """Record one generation-only iteration (no prompt chunk): ``num_generation`` requests, of which
         ``num_full_trees`` drafted a whole tree of ``shape`` and ``num_plain`` none, in ``seconds``,
         at ``context`` mean context tokens per request (None: unknown), verifying ``rows`` tree rows
@@ -287,7 +336,10 @@ class SpecController:
         iteration just before it is a step-time sample (the first after a switch or a prompt chunk
         pays for the switch), and only if ``timed``: an iteration the thread policy
         (:mod:`workers.thread_policy`) ran on a count it was probing, not the one it settled on, times
-        the thread count, not the choice. (Traced on the EPYC Zen 4 at batch 1: 5-7% of tree steps
+        the thread count, not the choice. ``tokens``: the tokens its requests emitted (None: not
+        counted); a timed iteration that runs the same choice as the one before it (a tree's, mixed or
+        not) adds them to what the choice delivered (:meth:`delivered`).
+        (Traced on the EPYC Zen 4 at batch 1: 5-7% of tree steps
         were such probes, a 1x2 step at 13-14 ms on 1 thread against 9.3 on 2; a shape in steady use
         has a window median that shrugs them off, but a rarely run shape's few samples did not, and
         its estimate rose above a larger tree's; BENCHMARKS.md section 19.) Every iteration counts in
@@ -300,6 +352,12 @@ class SpecController:
         choice = None if num_plain == num_generation else shape if num_full_trees == num_generation else "mixed"
         steady = self._last_step == (self._iteration - 1, choice)
         self._last_step = (self._iteration, choice)
+        ran = shape if num_plain < num_generation else None  # what the replica ran: a tree, mixed or not, or plain
+        if tokens is not None and timed and self._last_delivered == (self._iteration - 1, ran):
+            window = self._delivered.setdefault((batch_bucket(num_generation), ran),
+                                                deque(maxlen=self.settings.step_window))
+            window.append((self._iteration, tokens, seconds))
+        self._last_delivered = (self._iteration, ran)
         if steady and timed and (choice is None or choice in self.costs.seed.spec_s):
             self.costs.observe(num_generation, choice, seconds, context, rows if choice is not None else None)
 

@@ -58,10 +58,11 @@ class SpecPolicy(Protocol):
 
     def observe_step(self, shape: DraftShape | None, num_generation: int, num_full_trees: int, num_plain: int,
                      seconds: float, context: float | None = None, rows: int | None = None,
-                     timed: bool = True) -> None:
+                     timed: bool = True, tokens: int | None = None) -> None:
         """A generation-only iteration's seconds, mean context tokens per request and tree rows
         verified; ``timed`` False: it ran on a thread count other than the settled one (see
-        ``SpecController.observe_step``)."""
+        ``SpecController.observe_step``); ``tokens``: the tokens its generation requests emitted
+        (None: not counted)."""
 
     def stats(self) -> dict:
         """``shape`` (``BxD`` or None) and ``tau`` (tokens per drafted step, or None) for stats."""

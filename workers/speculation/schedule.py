@@ -228,7 +228,7 @@ class TablePolicy:
 
     def observe_step(self, shape: Shape | None, num_generation: int, num_full_trees: int, num_plain: int,
                      seconds: float, context: float | None = None, rows: int | None = None,
-                     timed: bool = True) -> None:
+                     timed: bool = True, tokens: int | None = None) -> None:
         """A table learns nothing from step times."""
 
     def stats(self) -> dict:
