@@ -54,6 +54,7 @@ Per-request state is a :class:`RequestSpecState` the engine keeps on the request
 
 from __future__ import annotations
 
+import statistics
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -208,9 +209,11 @@ class SpecController:
         return model if delivered is None else min(model, delivered)
 
     def delivered(self, b: int, choice: Choice) -> float | None:
-        """Tokens/s ``choice`` delivered in its last steady iterations at ``b``'s bucket (emitted tokens
-        over seconds, at most ``step_window`` iterations, none older than ``explore_refresh``
-        iterations); None with fewer than :data:`REALIZED_SAMPLES` of them."""
+        """Tokens/s ``choice`` delivered in its last steady iterations at ``b``'s bucket: their mean
+        emitted tokens over their median seconds (at most ``step_window`` iterations, none older than
+        ``explore_refresh`` iterations); None with fewer than :data:`REALIZED_SAMPLES` of them. The
+        median seconds, as the step-time estimates take them: with a mean, the odd iteration slowed
+        by another process on the core would price a tree against a plain step's median."""
         window = self._delivered.get((batch_bucket(b), choice))
         if not window:
             return None
@@ -218,8 +221,8 @@ class SpecController:
             window.popleft()
         if len(window) < REALIZED_SAMPLES:
             return None
-        seconds = sum(s for _, _, s in window)
-        return sum(t for _, t, _ in window) / seconds if seconds > 0 else None
+        seconds = statistics.median(s for _, _, s in window)
+        return sum(t for _, t, _ in window) / len(window) / seconds if seconds > 0 else None
 
     def _best(self, b: int, taus: dict[Shape, float]) -> Decision:
         """The choice of the highest :meth:`rate` at ``b`` (ties: plain, then the smaller tree, as

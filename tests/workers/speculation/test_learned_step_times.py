@@ -321,5 +321,8 @@ def test_what_a_choice_delivered_caps_its_estimate_from_two_requests_up():
     controller.observe_step((1, 1), 8, 8, 0, 0.030, tokens=20)  # the same tree after it: counted
     assert controller.delivered(8, (1, 1)) == pytest.approx((5 * 11 + 20) / (6 * 0.030))
     controller.shape_for(8)
+    controller.observe_step((1, 1), 8, 3, 5, 0.300, tokens=11)  # slowed by another process: the median holds
+    assert controller.delivered(8, (1, 1)) == pytest.approx((6 * 11 + 20) / 7 / 0.030)
+    controller.shape_for(8)
     controller.observe_step(None, 8, 0, 8, 0.015)  # plain, tokens not counted: nothing delivered
     assert controller.delivered(8, None) is None
