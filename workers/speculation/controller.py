@@ -38,16 +38,17 @@ The engine asks every iteration, for the number of generation requests ``b``:
   right after plain steps took 15.4 ms against ~9 ms in a run of them, and trees probed one iteration
   at a time were all timed that way, so the model judged them 1.5-2x too slow (BENCHMARKS.md 14).
   So every probe lasts two iterations, and only the second is a sample.
-- What a choice delivers caps what the model expects of it, from 2 requests up: the tokens/s of its
-  last steady iterations at the bucket (tokens emitted over seconds, :meth:`SpecController.delivered`).
-  There the per-request gate drafts only the requests whose own acceptance pays, so a tree iteration
-  is often *mixed* (some requests plain), and the model's ``b * tau / t_spec`` (``tau`` of the
-  requests that drafted, a step with every request drafting) is not what the replica gets. Traced on
-  the EPYC Zen 4 over HTTP at 5-8 concurrent requests with a start-up measurement as seed: 96% of
-  tree iterations were mixed, none of them a step-time sample, so the 1x1 tree kept its seed's 13.8
-  ms at 8 requests while its mixed steps took 20-30 ms (quartiles), and ``auto`` stayed on it
-  against plain (0.90x of forced plain; BENCHMARKS.md section 23). At batch 1 there is no gate, and the model is the
-  delivered rate's expectation.
+- What a choice delivers caps what the model expects of it, from 2 requests up: the tokens/s of the
+  last steady iterations of that batch size run on that answer of :meth:`SpecController.shape_for`
+  (tokens emitted over seconds, :meth:`SpecController.delivered`). There the per-request gate drafts
+  only the requests whose own acceptance pays, so a tree iteration is often *mixed* (some requests
+  plain), and the model's ``b * tau / t_spec`` (``tau`` of the requests that drafted, a step with
+  every request drafting) is not what the replica gets. Traced on the EPYC Zen 4 over HTTP at 5-8
+  concurrent requests with a start-up measurement as seed: 96% of tree iterations were mixed, none of
+  them a step-time sample, so the 1x1 tree kept its seed's 13.8 ms at 8 requests while its mixed
+  steps took 20-30 ms (quartiles), and ``auto`` stayed on it against plain (0.90x of forced plain;
+  BENCHMARKS.md section 23). At batch 1 there is no gate, and the model is the delivered rate's
+  expectation.
 
 Per-request state is a :class:`RequestSpecState` the engine keeps on the request (``Sequence.spec_state``).
 """
@@ -64,9 +65,10 @@ from workers.speculation.exploration import ProbeBudget, unexplored
 from workers.speculation.goodput import Choice as Decision
 from workers.speculation.goodput import Shape, StepCosts, live_taus, plain_rate, rate_of, spec_rate
 from workers.speculation.shape import shape_text
-from workers.speculation.step_times import Choice, LiveStepCosts, batch_bucket, nominal_rows
+from workers.speculation.step_times import Choice, LiveStepCosts, nominal_rows
 
-REALIZED_SAMPLES = 4  # steady iterations of a choice at a bucket before its delivered tokens/s caps its estimate
+REALIZED_SAMPLES = 4  # steady iterations of a choice at a batch size before its delivered tokens/s caps its estimate
+DELIVERED_Z = 2.0  # standard errors of the mean tokens per iteration above it that a delivered rate reads
 
 
 @dataclass(frozen=True)
@@ -149,10 +151,11 @@ class SpecController:
         self._last_drafted: int | None = None  # the iteration of the last drafted step (None: none yet)
         self._hold: tuple[Shape | None] | None = None  # a probe's choice, run once more in the next iteration
         self._last_step: tuple[int, object] | None = None  # (iteration, choice) of the last observe_step
-        # (bucket, choice) -> (iteration, tokens, seconds) of its last steady iterations, a tree's mixed
-        # ones included (delivered); the choice of the last observe_step, read that way
+        # (batch size, answer) -> (iteration, tokens, seconds) of the last steady iterations that ran on
+        # that answer of shape_for (delivered)
         self._delivered: dict[tuple[int, Choice], deque[tuple[int, int, float]]] = {}
-        self._last_delivered: tuple[int, Choice] | None = None
+        self._last_delivered: tuple[int, Choice] | None = None  # (iteration, answer) of the last observe_step
+        self._answered: Choice = None  # what the last shape_for answered
 
     # -- replica level ---------------------------------------------------------------------------
 
@@ -178,6 +181,11 @@ class SpecController:
 
     def shape_for(self, b: int) -> Shape | None:
         """The shape for an iteration with ``b`` generation requests (None: plain)."""
+        choice = self._shape_for(b)
+        self._answered = choice
+        return choice
+
+    def _shape_for(self, b: int) -> Shape | None:
         self.probing = False
         self._iteration += 1
         if b < 1 or not self.costs.shapes:
@@ -203,18 +211,28 @@ class SpecController:
     def rate(self, b: int, choice: Choice, taus: dict[Shape, float]) -> float:
         """Expected tokens/s of ``choice`` at ``b``: the goodput model's
         (:func:`workers.speculation.goodput.rate_of`), from 2 requests up at most what the choice
-        delivered at ``b``'s bucket (:meth:`delivered`; see the module docstring)."""
+        delivered at ``b`` (:meth:`delivered`; see the module docstring)."""
         model = rate_of(self.costs, b, choice, taus)
         delivered = self.delivered(b, choice) if b >= 2 else None
         return model if delivered is None else min(model, delivered)
 
     def delivered(self, b: int, choice: Choice) -> float | None:
-        """Tokens/s ``choice`` delivered in its last steady iterations at ``b``'s bucket: their mean
-        emitted tokens over their median seconds (at most ``step_window`` iterations, none older than
-        ``explore_refresh`` iterations); None with fewer than :data:`REALIZED_SAMPLES` of them. The
-        median seconds, as the step-time estimates take them: with a mean, the odd iteration slowed
-        by another process on the core would price a tree against a plain step's median."""
-        window = self._delivered.get((batch_bucket(b), choice))
+        """Tokens/s the replica delivered in its last steady iterations of ``b`` requests that
+        :meth:`shape_for` answered with ``choice`` (a tree's mixed iterations, and plain's with
+        requests forcing speculation, count as they ran; at most
+        ``step_window`` of them, none older than ``explore_refresh`` iterations): an upper bound on
+        their mean emitted tokens (:data:`DELIVERED_Z` standard errors above it) over their median
+        seconds; None with fewer than :data:`REALIZED_SAMPLES` of them.
+
+        - Per batch size, not bucket: a bucket's iterations of fewer requests emit fewer tokens, and
+          a tree in use at 3 and 4 requests read below what it delivered at either (a review's
+          simulation: 402 tok/s against 424 and 451).
+        - The median seconds, as the step-time estimates take them: with a mean, the odd iteration
+          slowed by another process on the core would price a tree against a plain step's median.
+        - An upper bound, since the cap only lowers an estimate: a window of mixed iterations is noisy,
+          and at 2 requests the raw mean's dips parked the replica on plain (a review's simulation:
+          323 against 339 tok/s without the cap, 334 with the bound; BENCHMARKS.md section 23)."""
+        window = self._delivered.get((b, choice))
         if not window:
             return None
         while window and self._iteration - window[0][0] > self.settings.explore_refresh:
@@ -222,7 +240,9 @@ class SpecController:
         if len(window) < REALIZED_SAMPLES:
             return None
         seconds = statistics.median(s for _, _, s in window)
-        return sum(t for _, t, _ in window) / len(window) / seconds if seconds > 0 else None
+        tokens = [t for _, t, _ in window]
+        bound = statistics.fmean(tokens) + DELIVERED_Z * statistics.stdev(tokens) / len(tokens) ** 0.5
+        return bound / seconds if seconds > 0 else None
 
     def _best(self, b: int, taus: dict[Shape, float]) -> Decision:
         """The choice of the highest :meth:`rate` at ``b`` (ties: plain, then the smaller tree, as
@@ -340,8 +360,8 @@ class SpecController:
         pays for the switch), and only if ``timed``: an iteration the thread policy
         (:mod:`workers.thread_policy`) ran on a count it was probing, not the one it settled on, times
         the thread count, not the choice. ``tokens``: the tokens its requests emitted (None: not
-        counted); a timed iteration that runs the same choice as the one before it (a tree's, mixed or
-        not) adds them to what the choice delivered (:meth:`delivered`).
+        counted); a timed iteration on the same answer of :meth:`shape_for` as the one before it adds
+        them to what that answer delivered (:meth:`delivered`), whatever ran under it.
         (Traced on the EPYC Zen 4 at batch 1: 5-7% of tree steps
         were such probes, a 1x2 step at 13-14 ms on 1 thread against 9.3 on 2; a shape in steady use
         has a window median that shrugs them off, but a rarely run shape's few samples did not, and
@@ -355,12 +375,14 @@ class SpecController:
         choice = None if num_plain == num_generation else shape if num_full_trees == num_generation else "mixed"
         steady = self._last_step == (self._iteration - 1, choice)
         self._last_step = (self._iteration, choice)
-        ran = shape if num_plain < num_generation else None  # what the replica ran: a tree, mixed or not, or plain
-        if tokens is not None and timed and self._last_delivered == (self._iteration - 1, ran):
-            window = self._delivered.setdefault((batch_bucket(num_generation), ran),
-                                                deque(maxlen=self.settings.step_window))
+        # what the policy's answer delivered, whatever ran under it: a tree's mixed iterations, one whose
+        # requests the gate all kept plain, or plain with requests that force speculation drafting alone
+        # (Scheduler.schedule's forced_shape: they make plain dearer, not the tree)
+        answer = self._answered
+        if tokens is not None and timed and self._last_delivered == (self._iteration - 1, answer):
+            window = self._delivered.setdefault((num_generation, answer), deque(maxlen=self.settings.step_window))
             window.append((self._iteration, tokens, seconds))
-        self._last_delivered = (self._iteration, ran)
+        self._last_delivered = (self._iteration, answer)
         if steady and timed and (choice is None or choice in self.costs.seed.spec_s):
             self.costs.observe(num_generation, choice, seconds, context, rows if choice is not None else None)
 

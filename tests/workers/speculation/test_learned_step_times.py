@@ -6,10 +6,12 @@ deterministic source, so nothing depends on the test machine's speed) and the ac
 give each shape its true tokens per step. Default settings: what a replica runs with.
 """
 
+import statistics
+
 import pytest
 
 from step_costs import table_step_time
-from workers.speculation.controller import SpecController
+from workers.speculation.controller import DELIVERED_Z, ControllerSettings, SpecController
 from workers.speculation.goodput import StepCosts, best_choice, rate_of
 
 # Step times in the proportions of a 135M model's on a CPU (issue 35's table): a tree pays alone,
@@ -306,23 +308,39 @@ def test_a_tree_the_request_gate_splits_is_judged_by_what_it_delivers(seed):
 
 
 def test_what_a_choice_delivered_caps_its_estimate_from_two_requests_up():
-    controller = SpecController(TRUE)  # the measured seconds count as given
+    # no probes: every iteration runs the answer
+    controller = SpecController(TRUE, ControllerSettings(explore_budget=0.0))
     taus = controller.taus()
-    for _ in range(6):
-        controller.shape_for(8)
-        controller.observe_step((1, 1), 8, 3, 5, 0.030, tokens=11)  # mixed: 3 of 8 drafted
-    assert controller.delivered(8, (1, 1)) == pytest.approx(11 / 0.030)  # 5 steady iterations (not the first)
-    assert controller.rate(8, (1, 1), taus) == pytest.approx(min(rate_of(TRUE, 8, (1, 1), taus), 11 / 0.030))
-    assert controller.delivered(4, (1, 1)) is None and controller.delivered(8, None) is None  # other buckets, choices
+    counted = []
+
+    def step(tokens, seconds=0.005, timed=True, count=True):
+        assert controller.shape_for(2) == (1, 1)  # the model's choice at 2 (and what a cap at 700 tok/s keeps)
+        controller.observe_step((1, 1), 2, 1, 1, seconds, tokens=tokens, timed=timed)  # mixed: 1 of 2 drafted
+        counted.extend([tokens] if count else [])
+
+    def bound() -> float:
+        return (statistics.fmean(counted) + DELIVERED_Z * statistics.stdev(counted) / len(counted) ** 0.5) / 0.005
+
+    step(3, count=False)  # the first: not steady
+    for tokens in (4, 3, 4, 3):
+        step(tokens)
+    assert controller.delivered(2, (1, 1)) == pytest.approx(bound())
+    assert controller.rate(2, (1, 1), taus) == pytest.approx(min(rate_of(TRUE, 2, (1, 1), taus), bound()))
+    assert controller.delivered(3, (1, 1)) is None and controller.delivered(2, None) is None  # other sizes, choices
     assert controller.rate(1, (1, 1), taus) == rate_of(TRUE, 1, (1, 1), taus)  # no gate at batch 1: the model's
-    controller.shape_for(8)
-    controller.observe_step((1, 1), 8, 8, 0, 0.010, tokens=20, timed=False)  # a thread-count probe: not counted
-    controller.shape_for(8)
-    controller.observe_step((1, 1), 8, 8, 0, 0.030, tokens=20)  # the same tree after it: counted
-    assert controller.delivered(8, (1, 1)) == pytest.approx((5 * 11 + 20) / (6 * 0.030))
-    controller.shape_for(8)
-    controller.observe_step((1, 1), 8, 3, 5, 0.300, tokens=11)  # slowed by another process: the median holds
-    assert controller.delivered(8, (1, 1)) == pytest.approx((6 * 11 + 20) / 7 / 0.030)
-    controller.shape_for(8)
-    controller.observe_step(None, 8, 0, 8, 0.015)  # plain, tokens not counted: nothing delivered
-    assert controller.delivered(8, None) is None
+    step(3, seconds=0.050)  # slowed by another process: the median seconds hold
+    assert controller.delivered(2, (1, 1)) == pytest.approx(bound())
+    step(4, seconds=0.001, timed=False, count=False)  # a thread-count probe: not counted...
+    step(4)  # ...and the same tree after it is
+    assert controller.delivered(2, (1, 1)) == pytest.approx(bound())
+
+
+def test_requests_forcing_speculation_count_in_what_plain_delivers():
+    """Requests forcing speculation draft alone while the policy decodes plain (the scheduler's forced
+    shape): those iterations are what the answer "plain" delivers, not what the tree would."""
+    controller = SpecController(TRUE, ControllerSettings(explore_budget=0.0))
+    for _ in range(10):
+        assert controller.shape_for(8) is None
+        controller.observe_step((1, 2), 8, 1, 7, 0.040, tokens=10)
+    assert controller.delivered(8, (1, 2)) is None
+    assert controller.delivered(8, None) == pytest.approx(10 / 0.040)  # no spread: the bound is the mean
