@@ -62,8 +62,7 @@ from dataclasses import dataclass
 
 from workers.redrafter.pruning import min_path_prob
 from workers.speculation.exploration import ProbeBudget, unexplored
-from workers.speculation.goodput import Choice as Decision
-from workers.speculation.goodput import Shape, StepCosts, live_taus, plain_rate, rate_of, spec_rate
+from workers.speculation.goodput import Shape, StepCosts, best_choice, live_taus, plain_rate, rate_of, spec_rate
 from workers.speculation.shape import shape_text
 from workers.speculation.step_times import Choice, LiveStepCosts, nominal_rows
 
@@ -156,6 +155,7 @@ class SpecController:
         self._delivered: dict[tuple[int, Choice], deque[tuple[int, int, float]]] = {}
         self._last_delivered: tuple[int, Choice] | None = None  # (iteration, answer) of the last observe_step
         self._answered: Choice = None  # what the last shape_for answered
+        self._delivered_read: dict[tuple[int, Choice], tuple[tuple[int, int, int], float | None]] = {}
 
     # -- replica level ---------------------------------------------------------------------------
 
@@ -195,7 +195,7 @@ class SpecController:
             (choice,), self._hold, self.probing = self._hold, None, True
             return choice
         taus = self.taus()
-        best = self._best(b, taus)
+        best = best_choice(self.costs, b, taus, rate=lambda c: self.rate(b, c, taus))
         if not self.started:
             self.started, self.current = True, best.shape
             return self.current
@@ -239,20 +239,16 @@ class SpecController:
             window.popleft()
         if len(window) < REALIZED_SAMPLES:
             return None
+        state = (window[0][0], window[-1][0], len(window))  # a window changes only at its ends
+        memo = self._delivered_read.get((b, choice))
+        if memo is not None and memo[0] == state:
+            return memo[1]
         seconds = statistics.median(s for _, _, s in window)
         tokens = [t for _, t, _ in window]
         bound = statistics.fmean(tokens) + DELIVERED_Z * statistics.stdev(tokens) / len(tokens) ** 0.5
-        return bound / seconds if seconds > 0 else None
-
-    def _best(self, b: int, taus: dict[Shape, float]) -> Decision:
-        """The choice of the highest :meth:`rate` at ``b`` (ties: plain, then the smaller tree, as
-        :func:`workers.speculation.goodput.best_choice`)."""
-        best = Decision(None, self.rate(b, None, taus))
-        for shape in self.costs.shapes:
-            rate = self.rate(b, shape, taus)
-            if rate > best.rate:
-                best = Decision(shape, rate)
-        return best
+        rate = bound / seconds if seconds > 0 else None
+        self._delivered_read[b, choice] = (state, rate)  # read per choice every iteration: ~30 us a computation
+        return rate
 
     def min_draft_prob(self, b: int, shape: Shape) -> float:
         """The path probability a draft token needs to be verified in an iteration of ``b`` requests with

@@ -19,6 +19,8 @@ Pure functions and frozen data; no Ray, no torch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import json
 import math
 from bisect import bisect_left
@@ -177,14 +179,17 @@ def rate_of(costs: StepCosts, b: float, shape: Shape | None, taus: dict[Shape, f
     return plain_rate(costs, b) if shape is None else spec_rate(costs, b, shape, taus[shape])
 
 
-def best_choice(costs: StepCosts, b: float, taus: dict[Shape, float]) -> Choice:
+def best_choice(costs: StepCosts, b: float, taus: dict[Shape, float],
+                rate: Callable[[Shape | None], float] | None = None) -> Choice:
     """The choice with the highest expected tokens/s at batch ``b`` (ties: plain, then the smaller
-    tree). ``b < 1`` is plain (nothing to decode)."""
+    tree). ``b < 1`` is plain (nothing to decode). ``rate(choice)``: its tokens/s (default
+    :func:`rate_of`; the live controller caps it by what the choice delivered)."""
     if b < 1:
         return Choice(None, 0.0)
-    best = Choice(None, plain_rate(costs, b))
+    rate = rate or (lambda c: rate_of(costs, b, c, taus))
+    best = Choice(None, rate(None))
     for shape in costs.shapes:
-        rate = spec_rate(costs, b, shape, taus[shape])
-        if rate > best.rate:
-            best = Choice(shape, rate)
+        r = rate(shape)
+        if r > best.rate:
+            best = Choice(shape, r)
     return best
